@@ -1,0 +1,37 @@
+"""celery-pulse: lease-based Celery workers, judged by the store's clock.
+
+``install(app)`` is the whole integration; see ``DESIGN.md`` for the contract.
+"""
+
+from __future__ import annotations
+
+from celery_pulse.errors import (
+    InvalidConfig,
+    LeaseLost,
+    NotFound,
+    NotRegistered,
+    PulseError,
+    SchemaMissing,
+    StoreUnavailable,
+    Taken,
+    Terminal,
+)
+from celery_pulse.install import install
+from celery_pulse.settings import Settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InvalidConfig",
+    "LeaseLost",
+    "NotFound",
+    "NotRegistered",
+    "PulseError",
+    "SchemaMissing",
+    "Settings",
+    "StoreUnavailable",
+    "Taken",
+    "Terminal",
+    "__version__",
+    "install",
+]

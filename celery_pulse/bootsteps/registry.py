@@ -1,0 +1,92 @@
+"""Consumer step: keep the worker registered; pause consumption while fenced."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery import __version__ as celery_version
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+from celery_pulse.bootsteps.gate import ConsumeGate
+from celery_pulse.bootsteps.runtime import EXIT_IDENTITY_LOST
+from celery_pulse.registry import Membership
+
+logger = logging.getLogger(__name__)
+
+
+class _Listener:
+    """Turns membership changes into consumer actions."""
+
+    def __init__(self, consumer: Any, gate: ConsumeGate) -> None:
+        self.consumer = consumer
+        self.gate = gate
+
+    def on_fenced(self, reason: str) -> None:
+        self.gate.close("registry: " + "fenced")
+
+    def on_resumed(self) -> None:
+        self.gate.open("registry: " + "fenced")
+
+    def on_identity_lost(self, reason: str) -> None:
+        self.gate.close("registry: identity lost")
+        # The event loop checks this flag each turn and starts a warm shutdown:
+        # in-flight tasks finish, then the process exits with this code.
+        worker_state.should_stop = EXIT_IDENTITY_LOST
+
+    def on_drain(self) -> None:
+        logger.warning("pulse: drain requested: finishing in-flight tasks, then exiting")
+        self.gate.close("drain")
+        worker_state.should_stop = 0
+
+
+def worker_labels(c: Any) -> dict[str, Any]:
+    w = c.controller
+    queues = sorted(c.app.amqp.queues.consume_from or c.app.amqp.queues)
+    return {"queues": queues, "concurrency": w.concurrency, "pool": "pulse",
+            "pid": os.getpid(), "celery": celery_version,
+            "pulse": __import__("celery_pulse").__version__}
+
+
+class Registry(bootsteps.StartStopStep):
+    """Registers the worker at first start; keeps the gate applied across reconnects."""
+
+    label = "pulse-registry"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def include_if(self, c: Any) -> bool:
+        return getattr(c.controller, "pulse", None) is not None
+
+    def start(self, c: Any) -> None:
+        pulse = c.controller.pulse
+        if pulse.membership is None:
+            settings = pulse.settings
+            pulse.gate = ConsumeGate(c)
+            pulse.membership = Membership(
+                pulse.store, c.hostname, worker_labels(c), ttl=settings.worker_ttl,
+                interval=settings.heartbeat_interval, margin=settings.safety_margin,
+                listener=_Listener(c, pulse.gate))
+            pool = c.controller.pool
+            pool.pulse = pulse
+            pulse.membership.start()
+        else:
+            pulse.gate.reapply()
+
+    def stop(self, c: Any) -> None:
+        pass  # a broker reconnect: membership goes on
+
+    def shutdown(self, c: Any) -> None:
+        pass  # deregistration waits for in-flight tasks (see PulseWorker.shutdown)
+
+    def info(self, c: Any) -> dict[str, Any]:
+        pulse = c.controller.pulse
+        m = pulse.membership
+        if m is None:
+            return {}
+        return {"pulse": {"worker_id": m.worker_id, "state": m.state,
+                          "registration_expires_in": round(m.expires_in, 3),
+                          "store": pulse.store.url,
+                          "consuming": pulse.gate.is_open,
+                          "paused_for": sorted(pulse.gate.reasons)}}

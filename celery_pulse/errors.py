@@ -1,0 +1,66 @@
+"""One error hierarchy: everything pulse raises is a :class:`PulseError`.
+
+Each class's docstring is its default message, so ``raise Taken()`` still says
+something useful. Driver errors are translated in exactly one place
+(``celery_pulse.store.sql.errors``) and kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class PulseError(Exception):
+    """celery-pulse error."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidConfig(PulseError):
+    """A pulse_* setting is invalid."""
+
+    def __init__(self, message: str | None = None, *, setting: str | None = None) -> None:
+        self.setting = setting
+        super().__init__(message)
+
+
+class SchemaMissing(PulseError):
+    """The pulse schema is missing or outdated: run `celery -A <app> pulse migrate`."""
+
+
+class StoreUnavailable(PulseError):
+    """The pulse store cannot be reached."""
+
+
+class NotRegistered(PulseError):
+    """This worker is not registered (replaced, expired or deregistered)."""
+
+    #: ``replaced``: a live registration with another token holds the name;
+    #: ``expired``: our token is there but its lease ran out by the store clock;
+    #: ``missing``: no row (deregistered, or never registered).
+    REPLACED = "replaced"
+    EXPIRED = "expired"
+    MISSING = "missing"
+
+    def __init__(self, message: str | None = None, *, reason: str = MISSING) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class LeaseLost(PulseError):
+    """The lease on this task was lost: stop applying side effects."""
+
+
+class Taken(PulseError):
+    """Another holder has a live lease on this task."""
+
+
+class Terminal(PulseError):
+    """The task has already finished; it must not run again."""
+
+
+class NotFound(PulseError):
+    """No such record in the pulse store."""

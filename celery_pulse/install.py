@@ -1,0 +1,47 @@
+"""Wire pulse into a Celery app: bootsteps and the ``pulse`` pool name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+POOL_ALIAS = "pulse"
+POOL_CLASS = "celery_pulse.pool.prefork:TaskPool"
+
+
+def register_pool_alias() -> None:
+    """Make ``pulse`` a pool name for ``worker_pool`` and for ``-P`` on the real CLI.
+
+    ``-P`` is a click Choice whose values were fixed when ``celery.bin.worker`` was
+    imported; the ``celery.commands`` entry point (our ``celery pulse`` group)
+    imports us right after, so extending that Choice here makes ``-P pulse`` valid.
+    Idempotent, and it tolerates a Celery whose internals moved (then only
+    ``worker_pool = "pulse"`` and ``-P custom`` keep working).
+    """
+    from celery import concurrency
+
+    concurrency.ALIASES.setdefault(POOL_ALIAS, POOL_CLASS)
+    import sys
+
+    worker_cli = sys.modules.get("celery.bin.worker")
+    choice = getattr(worker_cli, "WORKERS_POOL", None)
+    choices = getattr(choice, "choices", None)
+    if choices is not None and POOL_ALIAS not in choices:
+        try:
+            choice.choices = (*tuple(choices), POOL_ALIAS)  # type: ignore[union-attr]
+        except (AttributeError, TypeError):  # pragma: no cover - Celery internals changed
+            pass
+
+
+def install(app: Any) -> Any:
+    """Add the pulse bootsteps to ``app`` and the ``pulse`` pool name. Idempotent.
+
+    The steps only switch on in a worker whose pool is the pulse pool
+    (``-P pulse`` or ``worker_pool = "pulse"``); other pools run as plain Celery.
+    """
+    from celery_pulse.bootsteps.registry import Registry
+    from celery_pulse.bootsteps.runtime import Runtime
+
+    register_pool_alias()
+    app.steps["worker"].add(Runtime)
+    app.steps["consumer"].add(Registry)
+    return app

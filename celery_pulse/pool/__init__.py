@@ -1,0 +1,1 @@
+"""The ``-P pulse`` pool (``pulse`` alias)."""

@@ -1,0 +1,169 @@
+"""The ``pulse_*`` settings, read once into a frozen object and validated.
+
+Nothing else in the package reads ``app.conf`` for a ``pulse_*`` key: bootsteps
+and commands get a :class:`Settings`. A bad value fails here, at startup, with an
+:class:`InvalidConfig` that names the setting — never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from celery_pulse.errors import InvalidConfig
+
+#: URL schemes the SQL store understands (SQLAlchemy dialect+driver names).
+STORE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg")
+ON_LOST_POLICIES = ("redispatch", "review")
+DEFAULT_STORE_DIR = ".celery-pulse"
+
+
+def default_store_url() -> str:
+    """The embedded default: a SQLite file in ``./.celery-pulse/`` (no server needed)."""
+    return "sqlite:///" + os.path.abspath(os.path.join(DEFAULT_STORE_DIR, "pulse.sqlite3"))
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (safe to log and show)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    userinfo = netloc[0].split(":", 1)[0] + ":***"
+    return urlunsplit(parts._replace(netloc=userinfo + "@" + netloc[1]))
+
+
+def _doc(text: str, default: str) -> dict[str, str]:
+    return {"doc": text, "default": default}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settings:
+    """Validated pulse configuration. Durations are in seconds."""
+
+    store_url: str = dataclasses.field(
+        default_factory=default_store_url,
+        metadata=_doc("SQLAlchemy URL of the store (PostgreSQL via psycopg 3, or SQLite).",
+                      "SQLite file ./.celery-pulse/pulse.sqlite3"),
+    )
+    worker_ttl: float = dataclasses.field(
+        default=30.0, metadata=_doc("How long a worker registration lives without heartbeat.", "30 s"))
+    heartbeat_interval: float = dataclasses.field(
+        default=0.0, metadata=_doc("Heartbeat period; must be < pulse_worker_ttl.", "worker_ttl / 3"))
+    lease_ttl: float = dataclasses.field(
+        default=30.0, metadata=_doc("How long a task lease lives without renewal.", "30 s"))
+    renew_interval: float = dataclasses.field(
+        default=0.0, metadata=_doc("Batched lease renewal period; must be < pulse_lease_ttl.",
+                                   "lease_ttl / 3"))
+    revoke_grace: float = dataclasses.field(
+        default=5.0, metadata=_doc("Time a task gets after LeaseLost before it is hard-stopped.", "5 s"))
+    recover_interval: float = dataclasses.field(
+        default=2.0, metadata=_doc("How often a worker scans for expired claims.", "2 s"))
+    recover_batch: int = dataclasses.field(
+        default=100, metadata=_doc("Most claims taken over per scan.", "100"))
+    retention: float = dataclasses.field(
+        default=86400.0, metadata=_doc("How long finished claims are kept (duplicate window, audit).",
+                                       "1 day"))
+    beat: bool = dataclasses.field(
+        default=True, metadata=_doc("Run the leader-elected beat inside -P pulse workers.", "on"))
+    leader_ttl: float = dataclasses.field(
+        default=15.0, metadata=_doc("Leadership lease TTL.", "15 s"))
+    leader_interval: float = dataclasses.field(
+        default=0.0, metadata=_doc("Leadership renewal period; must be < pulse_leader_ttl.",
+                                   "leader_ttl / 3"))
+    max_attempts: int = dataclasses.field(
+        default=10, metadata=_doc("Reservations a task may consume before it is failed.", "10"))
+    on_lost: str | None = dataclasses.field(
+        default=None, metadata=_doc("What Recover does with a started-then-lost task: "
+                                    "'redispatch' or 'review'.",
+                                    "redispatch if acks_late or pulse_idempotent, else review"))
+    store_connect_timeout: float = dataclasses.field(
+        default=10.0, metadata=_doc("How long startup waits for an unreachable store.", "10 s"))
+
+    def __post_init__(self) -> None:
+        # Derived defaults: an interval left at 0 means "a third of its TTL".
+        for interval, ttl in (("heartbeat_interval", "worker_ttl"),
+                              ("renew_interval", "lease_ttl"),
+                              ("leader_interval", "leader_ttl")):
+            if getattr(self, interval) == 0.0:
+                object.__setattr__(self, interval, getattr(self, ttl) / 3.0)
+        self._validate()
+
+    def _validate(self) -> None:
+        scheme = urlsplit(self.store_url).scheme
+        if scheme not in STORE_SCHEMES:
+            raise InvalidConfig(
+                f"pulse_store_url: unknown scheme {scheme!r} in {mask_url(self.store_url)!r}; "
+                f"use one of {', '.join(STORE_SCHEMES)}", setting="pulse_store_url")
+        for name in ("worker_ttl", "lease_ttl", "leader_ttl", "heartbeat_interval",
+                     "renew_interval", "leader_interval", "recover_interval", "retention",
+                     "store_connect_timeout"):
+            if getattr(self, name) <= 0:
+                raise InvalidConfig(f"pulse_{name} must be > 0, got {getattr(self, name)!r}",
+                                    setting=f"pulse_{name}")
+        if self.revoke_grace < 0:
+            raise InvalidConfig("pulse_revoke_grace must be >= 0", setting="pulse_revoke_grace")
+        for interval, ttl in (("heartbeat_interval", "worker_ttl"),
+                              ("renew_interval", "lease_ttl"),
+                              ("leader_interval", "leader_ttl")):
+            if getattr(self, interval) >= getattr(self, ttl):
+                raise InvalidConfig(
+                    f"pulse_{interval} ({getattr(self, interval)}s) must be shorter than "
+                    f"pulse_{ttl} ({getattr(self, ttl)}s)", setting=f"pulse_{interval}")
+        for name in ("recover_batch", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise InvalidConfig(f"pulse_{name} must be >= 1", setting=f"pulse_{name}")
+        if self.on_lost is not None and self.on_lost not in ON_LOST_POLICIES:
+            raise InvalidConfig(f"pulse_on_lost must be one of {ON_LOST_POLICIES}, "
+                                f"got {self.on_lost!r}", setting="pulse_on_lost")
+
+    @property
+    def safety_margin(self) -> float:
+        """Slack subtracted from every local self-fence deadline (covers clock drift, GC)."""
+        return min(1.0, self.lease_ttl / 10.0)
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> Settings:
+        """Read every ``pulse_*`` key of a Celery ``app.conf`` (or any mapping)."""
+        kwargs: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            key = f"pulse_{field.name}"
+            value = conf.get(key)
+            if value is None:
+                continue
+            kwargs[field.name] = _coerce(key, value, field.type)
+        return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    text = str(annotation)
+    try:
+        if text == "float":
+            if isinstance(value, timedelta):
+                return value.total_seconds()
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if text == "int":
+            if isinstance(value, bool) or float(value) != int(value):
+                raise TypeError
+            return int(value)
+        if text == "bool":
+            if isinstance(value, str):
+                lowered = value.strip().lower()
+                if lowered in ("1", "true", "yes", "on"):
+                    return True
+                if lowered in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            return bool(value)
+        if not isinstance(value, str):
+            raise TypeError
+        return value
+    except (TypeError, ValueError):
+        raise InvalidConfig(f"{key}: invalid value {value!r} (expected {text})",
+                            setting=key) from None

@@ -1,0 +1,51 @@
+"""Engine construction: SQLite gets WAL + busy timeout; PostgreSQL gets bounded connects."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+#: How long a SQLite writer waits for the lock held by another process.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+PG_CONNECT_TIMEOUT_S = 5
+
+
+def make_engine(url: str) -> sa.Engine:
+    """An engine for ``url``, configured for several worker processes sharing the store."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(parsed)
+    connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return sa.create_engine(parsed, pool_pre_ping=True, pool_size=4, max_overflow=8,
+                            connect_args=connect_args)
+
+
+def _sqlite_engine(parsed: sa.URL) -> sa.Engine:
+    database = parsed.database
+    if database and database != ":memory:":
+        os.makedirs(os.path.dirname(os.path.abspath(database)) or ".", exist_ok=True)
+    engine = sa.create_engine(
+        parsed,
+        connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False,
+                      # We issue BEGIN ourselves (IMMEDIATE: take the write lock up front,
+                      # so two writers never deadlock upgrading a read lock).
+                      "isolation_level": None},
+    )
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine

@@ -1,0 +1,32 @@
+"""Worker registry.
+
+Revision ID: 0001
+Revises:
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "pulse_workers",
+        sa.Column("worker_id", sa.String(255), primary_key=True),
+        sa.Column("token", sa.String(64), nullable=False),
+        sa.Column("labels", sa.Text, nullable=False),
+        sa.Column("registered_at", sa.Float(precision=53), nullable=False),
+        sa.Column("last_heartbeat", sa.Float(precision=53), nullable=False),
+        sa.Column("expires_at", sa.Float(precision=53), nullable=False),
+        sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("pulse_workers")
