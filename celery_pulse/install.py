@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 POOL_ALIAS = "pulse"
@@ -26,10 +27,8 @@ def register_pool_alias() -> None:
     choice = getattr(worker_cli, "WORKERS_POOL", None)
     choices = getattr(choice, "choices", None)
     if choices is not None and POOL_ALIAS not in choices:
-        try:
+        with contextlib.suppress(AttributeError, TypeError):  # Celery internals moved
             choice.choices = (*tuple(choices), POOL_ALIAS)  # type: ignore[union-attr]
-        except (AttributeError, TypeError):  # pragma: no cover - Celery internals changed
-            pass
 
 
 def install(app: Any) -> Any:

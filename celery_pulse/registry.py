@@ -144,9 +144,10 @@ class Membership:
             logger.warning("pulse: heartbeat failed, will retry: %s", exc)
         if self.monotonic() >= self.deadline:
             self._fence("store unreachable past the registration deadline")
-        backoff = min(self.interval, 0.25 * 2 ** min(self.failures, 6))
-        return max(0.05, min(backoff, self.deadline - self.monotonic()) if
-                   self.state == self.ACTIVE else backoff)
+        backoff: float = min(self.interval, 0.25 * 2 ** min(self.failures, 6))
+        if self.state == self.ACTIVE:  # wake up in time to fence at the deadline
+            backoff = min(backoff, self.deadline - self.monotonic())
+        return max(0.05, backoff)
 
     def _reregister(self) -> float | None:
         sent = self.monotonic()
@@ -178,7 +179,8 @@ class Membership:
             logger.warning("pulse: %s registered again: resuming", self.worker_id)
             self.listener.on_resumed()
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str) -> float | None:
+        """Identity is gone for good: tell the listener; returns None (stop the loop)."""
         self.state = self.LOST
         logger.critical("pulse: worker %s lost its identity: %s; stopping (in-flight tasks "
                         "finish under their own leases)", self.worker_id, reason)

@@ -19,7 +19,7 @@ def translated(where: str) -> Iterator[None]:
         yield
     except sa_exc.DBAPIError as exc:
         text = f"{type(exc.orig).__name__} {exc.orig}".lower()
-        if any(marker in text for marker in _MISSING_MARKERS) and "relation" in text or (
+        if (any(marker in text for marker in _MISSING_MARKERS) and "relation" in text) or (
                 "no such table" in text):
             raise SchemaMissing() from exc
         if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or (

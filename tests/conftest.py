@@ -1,0 +1,127 @@
+"""Shared fixtures: a store per test on SQLite and PostgreSQL, brokers, worker processes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_pulse.store.sql import SqlStore, open_store
+from tests.helpers import services
+from tests.helpers.pg import PrivatePostgres, Schema
+from tests.helpers.workers import Env, Worker
+
+STORES = ["sqlite", "postgres"]
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'pulse.sqlite3'}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    services.require("postgres")
+    schema = Schema(services.PG_ADMIN_URL).create()
+    try:
+        yield schema.url
+    finally:
+        schema.drop()
+
+
+@pytest.fixture(params=STORES)
+def store_url(request: pytest.FixtureRequest) -> str:
+    """The store URL, once per store implementation (SQLite and PostgreSQL)."""
+    name = "pg_url" if request.param == "postgres" else "sqlite_url"
+    url: str = request.getfixturevalue(name)
+    return url
+
+
+def _migrated(url: str) -> SqlStore:
+    store = open_store(url, check_schema=False)
+    store.migrate()
+    return store
+
+
+@pytest.fixture
+def sql_store(store_url: str) -> Iterator[SqlStore]:
+    store = _migrated(store_url)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL server of this test's own, which the test may stop and start."""
+    services.require("postgres")
+    server = PrivatePostgres().init()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def rabbitmq_url() -> str:
+    services.require("rabbitmq")
+    return services.RABBIT_URL
+
+
+@pytest.fixture
+def redis_url() -> str:
+    services.require("redis")
+    return services.REDIS_URL
+
+
+@pytest.fixture
+def queue_name() -> str:
+    return "pulse-test-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def make_env(tmp_path: Path, queue_name: str) -> Callable[..., Env]:
+    def factory(store_url: str, broker_url: str, conf: dict[str, Any] | None = None,
+                migrate: bool = True) -> Env:
+        env = Env(store_url, broker_url, queue_name, tmp_path, conf)
+        if migrate:
+            _migrated(store_url).close()
+        return env
+    return factory
+
+
+@pytest.fixture
+def workers() -> Iterator[Callable[..., Worker]]:
+    """Start real worker processes; every one is SIGKILLed at teardown."""
+    started: list[Worker] = []
+
+    def start(env: Env, name: str, **kwargs: Any) -> Worker:
+        worker = Worker(env, name, **kwargs)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()
+
+
+def filesystem_broker(tmp: Path) -> tuple[str, dict[str, Any]]:
+    """kombu's ``filesystem://`` broker in a folder of the test's own (the embedded default)."""
+    folder = tmp / "broker"
+    for sub in ("in", "processed", "control"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    opts = {"data_folder_in": str(folder / "in"), "data_folder_out": str(folder / "in"),
+            "processed_folder": str(folder / "processed"),
+            "control_folder": str(folder / "control"), "store_processed": False}
+    return "filesystem://", {"broker_transport_options": opts}
+
+
+@pytest.fixture(params=["embedded", "postgres-rabbitmq"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str, dict[str, Any]]:
+    """(store_url, broker_url, extra conf): the embedded default, then the production pair."""
+    if request.param == "embedded":
+        broker, conf = filesystem_broker(tmp_path)
+        return request.getfixturevalue("sqlite_url"), broker, conf
+    return request.getfixturevalue("pg_url"), request.getfixturevalue("rabbitmq_url"), {}

@@ -1,0 +1,32 @@
+"""The ``store`` fixture: one contract suite, run on every Store implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from celery_pulse.store.base import Store
+from celery_pulse.store.memory import MemoryStore
+from celery_pulse.store.sql import open_store
+
+STORE_KINDS = [
+    pytest.param("memory", id="memory"),
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+]
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A fresh, empty, migrated store (``memory``, ``sqlite`` or ``postgres``)."""
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    url: str = request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
+    sql = open_store(url, check_schema=False)
+    sql.migrate()
+    try:
+        yield sql
+    finally:
+        sql.close()

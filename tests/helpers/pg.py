@@ -1,0 +1,106 @@
+"""PostgreSQL helpers: a schema per test, and a private server a test may stop."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from urllib.parse import quote
+
+import sqlalchemy as sa
+
+
+def schema_url(base: str, schema: str) -> str:
+    """``base`` with every connection's search_path set to ``schema``."""
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}options={quote(f'-csearch_path={schema}')}"
+
+
+class Schema:
+    """A throwaway schema in the shared ``test`` database."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin_url = admin_url
+        self.name = "t_" + uuid.uuid4().hex[:12]
+        self.url = schema_url(admin_url, self.name)
+        self._engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+
+    def create(self) -> Schema:
+        with self._engine.connect() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{self.name}"')
+        return self
+
+    def drop(self) -> None:
+        with self._engine.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{self.name}" CASCADE')
+        self._engine.dispose()
+
+
+def _pg_bin(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    if found:
+        return found[-1]
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"PostgreSQL binary {name} not found")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of our own on a free port, which tests stop and start.
+
+    Run as the ``postgres`` OS user when we are root (the server refuses root).
+    """
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pulse-pg-")
+        self.data = os.path.join(self.dir, "data")
+        self.port = _free_port()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+            self._as_user = ["runuser", "-u", "postgres", "--"]
+
+    def _run(self, *args: str) -> None:
+        subprocess.run([*self._as_user, *args], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, timeout=60)
+
+    def init(self) -> PrivatePostgres:
+        self._run(_pg_bin("initdb"), "-D", self.data, "-A", "trust", "-U", "postgres",
+                  "--no-sync", "-E", "UTF8")
+        return self.start()
+
+    def start(self) -> PrivatePostgres:
+        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-t", "30", "-l",
+                  os.path.join(self.dir, "server.log"), "-o",
+                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                  f"-c fsync=off -c full_page_writes=off", "start")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("private PostgreSQL did not start")
+
+    def stop(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-m", "immediate", "stop")
+
+    def destroy(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,125 @@
+"""Real ``celery worker`` processes, started and always killed by a fixture."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Env:
+    """The environment shared by the workers and CLI calls of one test."""
+
+    def __init__(self, store_url: str, broker_url: str, queue: str, tmp: Path,
+                 conf: dict[str, Any] | None = None, app: str = "tests.apps.pulseapp") -> None:
+        self.store_url = store_url
+        self.broker_url = broker_url
+        self.queue = queue
+        self.tmp = tmp
+        self.conf = dict(conf or {})
+        self.app = app
+
+    def vars(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(PULSE_TEST_STORE=self.store_url, PULSE_TEST_BROKER=self.broker_url,
+                   PULSE_TEST_QUEUE=self.queue, PULSE_TEST_CONF=json.dumps(self.conf),
+                   PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+                   PYTHONUNBUFFERED="1")
+        return env
+
+    def celery(self, *args: str, check: bool = False, timeout: float = 60
+               ) -> subprocess.CompletedProcess[str]:
+        """Run ``celery -A app ARGS`` (a CLI command, not a worker) and capture output."""
+        return subprocess.run([sys.executable, "-m", "celery", "-A", self.app, *args],
+                              env=self.vars(), cwd=self.tmp, capture_output=True, text=True,
+                              timeout=timeout, check=check)
+
+    def celery_json(self, *args: str) -> Any:
+        proc = self.celery(*args, "--json")
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+
+class Worker:
+    """One ``celery worker`` process in its own process group."""
+
+    def __init__(self, env: Env, name: str, *, pool: str = "pulse", concurrency: int = 1,
+                 extra: tuple[str, ...] = ()) -> None:
+        self.env = env
+        self.name = name
+        self.log_path = env.tmp / f"worker-{name.replace('@', '_')}-{time.monotonic_ns()}.log"
+        argv = [sys.executable, "-m", "celery", "-A", env.app, "worker", "-P", pool,
+                "-n", name, "-c", str(concurrency), "-Q", env.queue, "-l", "info",
+                "--without-mingle", "--without-gossip", *extra]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill()/wait()
+        self.proc = subprocess.Popen(argv, env=env.vars(), cwd=env.tmp, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 30) -> re.Match[str]:
+        def found() -> re.Match[str] | None:
+            if self.proc.poll() is not None and not re.search(pattern, self.log()):
+                raise AssertionError(f"worker {self.name} exited ({self.proc.returncode}) "
+                                     f"before logging {pattern!r}:\n{self.log()[-3000:]}")
+            return re.search(pattern, self.log())
+        result: re.Match[str] = wait_for(found, timeout, f"{self.name} to log {pattern!r}")
+        return result
+
+    def wait_ready(self, timeout: float = 30) -> Worker:
+        self.wait_log(r"ready\.", timeout)
+        return self
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def signal_main(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 30) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"worker {self.name} still running after {timeout}s:\n"
+                                 f"{self.log()[-3000:]}") from None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the worker and its pool children)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._log.close()
