@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from celery_pulse.errors import NotRegistered, PulseError, StoreUnavailable
-from celery_pulse.store.base import Registration, Store, mask_token
+from celery_pulse.store.base import Registration, RegistryStore, mask_token
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Membership:
 
     ACTIVE, FENCED, LOST, STOPPED = "active", "fenced", "lost", "stopped"
 
-    def __init__(self, store: Store, worker_id: str, labels: Mapping[str, Any], *,
+    def __init__(self, store: RegistryStore, worker_id: str, labels: Mapping[str, Any], *,
                  ttl: float, interval: float, margin: float,
                  listener: MembershipListener,
                  monotonic: Callable[[], float] = time.monotonic) -> None:

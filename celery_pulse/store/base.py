@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -61,8 +61,8 @@ def mask_token(token: str) -> str:
     return token[:6] + "…" if token else ""
 
 
-class Store(abc.ABC):
-    """What the mechanism needs from persistent storage."""
+class RegistryStore(abc.ABC):
+    """What worker membership needs from persistent storage."""
 
     # -- housekeeping -------------------------------------------------------
     @abc.abstractmethod
@@ -106,3 +106,168 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list_workers(self) -> list[WorkerInfo]:
         """Every registration, with ``alive`` judged by the store clock, ordered by id."""
+
+
+# -- task claims (seed 000 taskboard, seed 003 LEASED -> RUNNING) --------------------
+
+#: Claim states. ``open``: released (a retry, or Recover re-published it) and waiting
+#: for the next delivery to reserve it. ``needs_review``: a started attempt was lost
+#: and nobody can know whether its side effects happened.
+RESERVED, RUNNING, OPEN = "reserved", "running", "open"
+SUCCEEDED, FAILED, NEEDS_REVIEW = "succeeded", "failed", "needs_review"
+LIVE_STATES = (RESERVED, RUNNING)
+TERMINAL_STATES = (SUCCEEDED, FAILED, NEEDS_REVIEW)
+#: Completion outcomes a holder may report.
+RETRY = "retry"
+POLICIES = ("redispatch", "review")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """The original broker message, byte-exact, so it can be re-published as it came."""
+
+    body: bytes
+    headers: Mapping[str, Any]
+    properties: Mapping[str, Any]
+    delivery_info: Mapping[str, Any]
+    content_type: str
+    content_encoding: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReserveRequest:
+    task_id: str
+    task_name: str
+    message: Message
+    policy: str
+    max_attempts: int
+    #: Celery's ``retries`` header: a higher value is a newer message for the same id.
+    retries: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Grant:
+    """A lease: the credential ``(task_id, epoch, token)`` valid until ``lease_until``."""
+
+    task_id: str
+    epoch: int
+    token: str
+    lease_until: float
+    attempts: int
+
+    def __repr__(self) -> str:
+        return (f"Grant(task_id={self.task_id!r}, epoch={self.epoch}, "
+                f"token={mask_token(self.token)!r}, attempts={self.attempts})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a reservation was not granted.
+
+    ``reason`` is ``taken`` (another live holder, or a started attempt awaiting
+    Recover), ``terminal`` (finished or needs review) or ``exhausted`` (the attempt
+    budget is spent: the claim is now ``failed``).
+    """
+
+    task_id: str
+    reason: str
+    state: str
+    holder: str | None
+    epoch: int
+    retries: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Completion:
+    task_id: str
+    epoch: int
+    token: str
+    #: ``succeeded``, ``failed`` or ``retry`` (release for the retried delivery).
+    outcome: str
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClaimInfo:
+    """A claim as the store sees it now (store clock)."""
+
+    task_id: str
+    task_name: str
+    state: str
+    holder: str | None
+    epoch: int
+    attempts: int
+    max_attempts: int
+    policy: str
+    #: ``lease_until - store_now``; None when there is no lease.
+    lease_remaining: float | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    outcome: str | None
+    error: str | None
+
+
+class ClaimStore(abc.ABC):
+    """What per-task leases need from persistent storage."""
+
+    @abc.abstractmethod
+    def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
+                ) -> list[Grant | Refusal]:
+        """Reserve each task for ``holder`` until ``store_now + ttl``; one result per request.
+
+        A request is granted (epoch + 1, attempts + 1, new token, the message stored)
+        when there is no claim, the claim is ``open``, or it is ``reserved`` and
+        either expired or already ``holder``'s; a ``running`` claim only when its
+        policy is ``redispatch`` and it is expired or ``holder``'s. Otherwise it is
+        refused: ``terminal`` for finished/needs-review claims, ``exhausted`` when
+        ``attempts >= max_attempts`` (the claim becomes ``failed``), ``taken`` else.
+        """
+
+    @abc.abstractmethod
+    def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
+        """Move a live reservation to ``running``; returns the new lease_until or None.
+
+        Applies only if (epoch, token) are current, the state is ``reserved`` and
+        the lease has not expired by the store clock.
+        """
+
+    @abc.abstractmethod
+    def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+              ) -> tuple[set[str], set[str]]:
+        """Extend every live lease of ``holder`` in one statement (token and epoch checked).
+
+        Returns ``(renewed, busy)``: ``busy`` holds leases that are still valid but
+        were not extended because a fenced transaction holds the row; every other
+        lease passed in is lost.
+        """
+
+    @abc.abstractmethod
+    def complete(self, holder: str, completions: Sequence[Completion]) -> dict[str, str]:
+        """Record outcomes; returns ``task_id -> applied|duplicate|evidence``.
+
+        ``applied``: (epoch, token) still held, the claim took the outcome.
+        ``duplicate``: the same outcome for the same epoch was already recorded.
+        ``evidence``: stale; kept in the evidence table, never authoritative.
+        """
+
+    @abc.abstractmethod
+    def release(self, holder: str, leases: Sequence[tuple[str, int, str]]) -> int:
+        """Expire ``holder``'s reservations now (never started), for immediate recovery."""
+
+    @abc.abstractmethod
+    def purge_finished(self, older_than: float, limit: int = 500) -> int:
+        """Delete up to ``limit`` finished claims older than ``older_than`` seconds."""
+
+    @abc.abstractmethod
+    def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
+                    ) -> list[ClaimInfo]:
+        """Claims (optionally of some states), newest first."""
+
+    @abc.abstractmethod
+    def claim_counts(self) -> dict[str, int]:
+        """Number of claims per state, plus ``expired`` (live states past their lease)."""
+
+
+class Store(RegistryStore, ClaimStore):
+    """The whole contract (the SQL store implements it)."""

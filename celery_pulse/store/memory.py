@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery_pulse.errors import NotRegistered, StoreUnavailable
-from celery_pulse.store.base import Heartbeat, Registration, Store, WorkerInfo
+from celery_pulse.store.base import Heartbeat, Registration, RegistryStore, WorkerInfo
 
 
 @dataclasses.dataclass(slots=True)
@@ -27,7 +27,7 @@ class _Worker:
     draining: bool = False
 
 
-class MemoryStore(Store):
+class MemoryStore(RegistryStore):
     """Dictionary-backed store; ``clock`` is the store clock (default: ``time.time``)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_pulse.store.base import Store
+from celery_pulse.store.base import RegistryStore as Store
 from celery_pulse.store.memory import MemoryStore
 from celery_pulse.store.sql import open_store
 

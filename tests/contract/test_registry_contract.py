@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_pulse.errors import NotRegistered
-from celery_pulse.store.base import Store, WorkerInfo
+from celery_pulse.store.base import RegistryStore as Store, WorkerInfo
 from celery_pulse.store.memory import MemoryStore
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.store.sql.tables import workers

@@ -8,19 +8,45 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from celery_pulse.errors import InvalidConfig, NotRegistered, SchemaMissing, StoreUnavailable
 from celery_pulse.settings import mask_url
-from celery_pulse.store.base import Heartbeat, Registration, Store, WorkerInfo
+from celery_pulse.store.base import (
+    FAILED,
+    LIVE_STATES,
+    OPEN,
+    RESERVED,
+    RETRY,
+    RUNNING,
+    SUCCEEDED,
+    TERMINAL_STATES,
+    ClaimInfo,
+    Completion,
+    Grant,
+    Heartbeat,
+    Refusal,
+    Registration,
+    ReserveRequest,
+    Store,
+    WorkerInfo,
+)
 from celery_pulse.store.sql import migrate
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import make_engine
 from celery_pulse.store.sql.errors import translated
-from celery_pulse.store.sql.tables import workers
+from celery_pulse.store.sql.tables import claims, evidence, workers
+
+_OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, RETRY: OPEN}
+#: Renewals and completions are chunked so one statement never carries huge IN lists.
+_CHUNK = 500
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(dict(value), sort_keys=True, default=str)
 
 
 class SqlStore(Store):
@@ -114,6 +140,237 @@ class SqlStore(Store):
         return [WorkerInfo(r.worker_id, json.loads(r.labels), float(r.registered_at),
                            float(r.last_heartbeat), float(r.expires_at), r.expires_in > 0,
                            float(r.expires_in), bool(r.draining)) for r in rows]
+
+    # -- task claims ------------------------------------------------------------
+    def _lease_key(self, leases: Sequence[tuple[str, int, str]]) -> Any:
+        return sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
+            [tuple(lease) for lease in leases])
+
+    def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
+                ) -> list[Grant | Refusal]:
+        if not requests:
+            return []
+        now = self._now
+        unique: dict[str, ReserveRequest] = {}
+        for req in requests:
+            unique.setdefault(req.task_id, req)
+        values = [dict(
+            task_id=r.task_id, task_name=r.task_name, state=RESERVED, holder=holder,
+            token=self.dialect.new_token(), epoch=1, lease_until=now + ttl, attempts=1,
+            max_attempts=r.max_attempts, policy=r.policy, retries=r.retries,
+            body=r.message.body, headers=_dumps(r.message.headers),
+            properties=_dumps(r.message.properties),
+            delivery_info=_dumps(r.message.delivery_info),
+            content_type=r.message.content_type, content_encoding=r.message.content_encoding,
+            created_at=now, reserved_at=now) for r in unique.values()]
+        stmt = self.dialect.insert(claims).values(values)
+        ex = stmt.excluded
+        claimable = sa.or_(
+            claims.c.state == OPEN,
+            sa.and_(claims.c.state == RESERVED,
+                    sa.or_(claims.c.lease_until <= now, claims.c.holder == holder)),
+            sa.and_(claims.c.state == RUNNING, claims.c.policy == "redispatch",
+                    sa.or_(claims.c.lease_until <= now, claims.c.holder == holder)))
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[claims.c.task_id],
+            set_=dict(state=RESERVED, holder=ex.holder, token=ex.token,
+                      epoch=claims.c.epoch + 1, lease_until=ex.lease_until,
+                      attempts=claims.c.attempts + 1, policy=ex.policy, retries=ex.retries,
+                      task_name=ex.task_name, body=ex.body, headers=ex.headers,
+                      properties=ex.properties, delivery_info=ex.delivery_info,
+                      content_type=ex.content_type, content_encoding=ex.content_encoding,
+                      reserved_at=ex.reserved_at, started_at=None, finished_at=None,
+                      outcome=None, error=None),
+            where=sa.and_(claims.c.attempts < claims.c.max_attempts, claimable),
+        ).returning(claims.c.task_id, claims.c.epoch, claims.c.token, claims.c.lease_until,
+                    claims.c.attempts)
+        results: dict[str, Grant | Refusal] = {}
+        with translated("reserve"), self.engine.begin() as conn:
+            for row in conn.execute(stmt):
+                results[row.task_id] = Grant(row.task_id, int(row.epoch), row.token,
+                                             float(row.lease_until), int(row.attempts))
+            missing = [tid for tid in unique if tid not in results]
+            if missing:
+                results.update(self._refusals(conn, holder, missing))
+        out: list[Grant | Refusal] = []
+        seen: set[str] = set()
+        for req in requests:
+            result = results[req.task_id]
+            if req.task_id in seen and isinstance(result, Grant):
+                # The same id twice in one batch: the second copy is a duplicate.
+                result = Refusal(req.task_id, "taken", RESERVED, holder, result.epoch, req.retries)
+            seen.add(req.task_id)
+            out.append(result)
+        return out
+
+    def _refusals(self, conn: sa.Connection, holder: str, task_ids: list[str]
+                  ) -> dict[str, Refusal]:
+        now = self._now
+        rows = conn.execute(
+            sa.select(claims.c.task_id, claims.c.state, claims.c.holder, claims.c.epoch,
+                      claims.c.attempts, claims.c.max_attempts, claims.c.retries,
+                      claims.c.policy, (claims.c.lease_until <= now).label("expired"))
+            .where(claims.c.task_id.in_(task_ids))).all()
+        out: dict[str, Refusal] = {}
+        for r in rows:
+            claimable = r.state == OPEN or (r.state == RESERVED and (r.expired or r.holder == holder)) \
+                or (r.state == RUNNING and r.policy == "redispatch"
+                    and (r.expired or r.holder == holder))
+            if r.state in TERMINAL_STATES:
+                reason = "terminal"
+            elif claimable and r.attempts >= r.max_attempts:
+                reason = "exhausted"
+                conn.execute(sa.update(claims).where(
+                    claims.c.task_id == r.task_id, claims.c.epoch == r.epoch,
+                    claims.c.state == r.state).values(
+                    state=FAILED, outcome="exhausted", finished_at=now, lease_until=None,
+                    token=None, error=f"attempt budget exhausted ({r.attempts} of "
+                                      f"{r.max_attempts} reservations used)"))
+            else:
+                reason = "taken"
+            out[r.task_id] = Refusal(r.task_id, reason, r.state, r.holder, int(r.epoch),
+                                     int(r.retries))
+        return out
+
+    def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
+        now = self._now
+        stmt = (sa.update(claims)
+                .where(claims.c.task_id == task_id, claims.c.epoch == epoch,
+                       claims.c.token == token, claims.c.holder == holder,
+                       claims.c.state == RESERVED, claims.c.lease_until > now)
+                .values(state=RUNNING, started_at=now, lease_until=now + ttl)
+                .returning(claims.c.lease_until))
+        with translated("start"), self.engine.begin() as conn:
+            value = conn.execute(stmt).scalar_one_or_none()
+        return None if value is None else float(value)
+
+    def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+              ) -> tuple[set[str], set[str]]:
+        renewed: set[str] = set()
+        busy: set[str] = set()
+        now = self._now
+        for i in range(0, len(leases), _CHUNK):
+            chunk = leases[i:i + _CHUNK]
+            held = sa.and_(claims.c.holder == holder, self._lease_key(chunk),
+                           claims.c.state.in_(LIVE_STATES), claims.c.lease_until > now)
+            if self.dialect.is_postgres:
+                # Skip rows a fenced transaction holds: waiting would stall every lease.
+                ids = sa.select(claims.c.task_id).where(held).with_for_update(skip_locked=True)
+                where: Any = claims.c.task_id.in_(ids.scalar_subquery())
+            else:
+                where = held
+            stmt = (sa.update(claims).where(where).values(lease_until=now + ttl)
+                    .returning(claims.c.task_id))
+            with translated("renew"), self.engine.begin() as conn:
+                got = set(conn.execute(stmt).scalars())
+                missing = [lease for lease in chunk if lease[0] not in got]
+                if missing and self.dialect.is_postgres:
+                    busy.update(conn.execute(sa.select(claims.c.task_id).where(
+                        claims.c.holder == holder, self._lease_key(missing),
+                        claims.c.state.in_(LIVE_STATES), claims.c.lease_until > now)).scalars())
+            renewed |= got
+        return renewed, busy
+
+    def complete(self, holder: str, completions: Sequence[Completion]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        now = self._now
+        by_outcome: dict[str, list[Completion]] = {}
+        for c in completions:
+            by_outcome.setdefault(c.outcome, []).append(c)
+        with translated("complete"), self.engine.begin() as conn:
+            for outcome, group in by_outcome.items():
+                state = _OUTCOME_STATE[outcome]
+                for i in range(0, len(group), _CHUNK):
+                    chunk = group[i:i + _CHUNK]
+                    values: dict[str, Any] = dict(state=state, token=None, lease_until=None)
+                    if outcome == RETRY:
+                        values.update(outcome=RETRY)
+                    else:
+                        values.update(outcome=outcome, finished_at=now)
+                    errors = {c.task_id: c.error for c in chunk if c.error}
+                    if errors:
+                        values["error"] = sa.case(errors, value=claims.c.task_id, else_=None)
+                    stmt = (sa.update(claims)
+                            .where(self._lease_key([(c.task_id, c.epoch, c.token) for c in chunk]),
+                                   claims.c.state.in_(LIVE_STATES))
+                            .values(**values).returning(claims.c.task_id))
+                    applied = set(conn.execute(stmt).scalars())
+                    out.update(dict.fromkeys(applied, "applied"))
+                    stale = [c for c in chunk if c.task_id not in applied]
+                    if stale:
+                        out.update(self._stale(conn, holder, stale, state, now))
+        return out
+
+    def _stale(self, conn: sa.Connection, holder: str, stale: list[Completion], state: str,
+               now: Any) -> dict[str, str]:
+        current = {r.task_id: r for r in conn.execute(
+            sa.select(claims.c.task_id, claims.c.state, claims.c.epoch)
+            .where(claims.c.task_id.in_([c.task_id for c in stale])))}
+        out: dict[str, str] = {}
+        evidence_rows = []
+        for c in stale:
+            row = current.get(c.task_id)
+            if row is not None and int(row.epoch) == c.epoch and row.state == state:
+                out[c.task_id] = "duplicate"
+                continue
+            out[c.task_id] = "evidence"
+            evidence_rows.append(dict(task_id=c.task_id, epoch=c.epoch, holder=holder,
+                                      outcome=c.outcome, error=c.error, recorded_at=now))
+        if evidence_rows:
+            conn.execute(sa.insert(evidence).values(evidence_rows))
+        return out
+
+    def release(self, holder: str, leases: Sequence[tuple[str, int, str]]) -> int:
+        if not leases:
+            return 0
+        stmt = (sa.update(claims)
+                .where(claims.c.holder == holder, self._lease_key(leases),
+                       claims.c.state == RESERVED)
+                .values(lease_until=self._now))
+        with translated("release"), self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount
+
+    def purge_finished(self, older_than: float, limit: int = 500) -> int:
+        now = self._now
+        ids = (sa.select(claims.c.task_id)
+               .where(claims.c.state.in_((SUCCEEDED, FAILED)),
+                      claims.c.finished_at < now - older_than)
+               .limit(limit).scalar_subquery())
+        old_evidence = (sa.select(evidence.c.id).where(evidence.c.recorded_at < now - older_than)
+                        .limit(limit).scalar_subquery())
+        with translated("purge"), self.engine.begin() as conn:
+            deleted = conn.execute(sa.delete(claims).where(claims.c.task_id.in_(ids))).rowcount
+            conn.execute(sa.delete(evidence).where(evidence.c.id.in_(old_evidence)))
+        return deleted
+
+    def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
+                    ) -> list[ClaimInfo]:
+        now = sa.select(self._now).scalar_subquery()
+        stmt = sa.select(claims.c.task_id, claims.c.task_name, claims.c.state, claims.c.holder,
+                         claims.c.epoch, claims.c.attempts, claims.c.max_attempts,
+                         claims.c.policy, (claims.c.lease_until - now).label("remaining"),
+                         claims.c.created_at, claims.c.started_at, claims.c.finished_at,
+                         claims.c.outcome, claims.c.error)
+        if states:
+            stmt = stmt.where(claims.c.state.in_(list(states)))
+        stmt = stmt.order_by(claims.c.created_at.desc()).limit(limit)
+        with translated("list_claims"), self.engine.connect() as conn:
+            rows = conn.execute(stmt).all()
+        return [ClaimInfo(r.task_id, r.task_name, r.state, r.holder, int(r.epoch),
+                          int(r.attempts), int(r.max_attempts), r.policy,
+                          None if r.remaining is None else float(r.remaining),
+                          float(r.created_at), r.started_at, r.finished_at, r.outcome, r.error)
+                for r in rows]
+
+    def claim_counts(self) -> dict[str, int]:
+        now = self._now
+        expired = sa.and_(claims.c.state.in_(LIVE_STATES), claims.c.lease_until <= now)
+        with translated("claim_counts"), self.engine.connect() as conn:
+            counts = {r.state: int(r.n) for r in conn.execute(
+                sa.select(claims.c.state, sa.func.count().label("n")).group_by(claims.c.state))}
+            counts["expired"] = int(conn.execute(
+                sa.select(sa.func.count()).select_from(claims).where(expired)).scalar_one())
+        return counts
 
 
 def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True) -> SqlStore:

@@ -22,3 +22,50 @@ workers = sa.Table(
     sa.Column("expires_at", sa.Float(precision=53), nullable=False),
     sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
 )
+
+#: One row per Celery task id: who may run it (holder, token, epoch) until when
+#: (``lease_until``, store clock), and the original message, byte-exact.
+claims = sa.Table(
+    "pulse_claims",
+    metadata,
+    sa.Column("task_id", sa.String(255), primary_key=True),
+    sa.Column("task_name", sa.String(255), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("holder", sa.String(255)),
+    sa.Column("token", sa.String(64)),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("lease_until", sa.Float(precision=53)),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("policy", sa.String(16), nullable=False),
+    sa.Column("retries", sa.Integer, nullable=False),
+    sa.Column("body", sa.LargeBinary, nullable=False),
+    sa.Column("headers", sa.Text, nullable=False),
+    sa.Column("properties", sa.Text, nullable=False),
+    sa.Column("delivery_info", sa.Text, nullable=False),
+    sa.Column("content_type", sa.String(128), nullable=False),
+    sa.Column("content_encoding", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Float(precision=53), nullable=False),
+    sa.Column("reserved_at", sa.Float(precision=53)),
+    sa.Column("started_at", sa.Float(precision=53)),
+    sa.Column("finished_at", sa.Float(precision=53)),
+    sa.Column("outcome", sa.String(32)),
+    sa.Column("error", sa.Text),
+    sa.Index("ix_pulse_claims_state_lease", "state", "lease_until"),
+    sa.Index("ix_pulse_claims_holder", "holder"),
+    sa.Index("ix_pulse_claims_finished", "finished_at"),
+)
+
+#: Late outcomes from stale holders: kept, never authoritative (seed 003 EVIDENCE_ONLY).
+evidence = sa.Table(
+    "pulse_evidence",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+              autoincrement=True),
+    sa.Column("task_id", sa.String(255), nullable=False, index=True),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("holder", sa.String(255), nullable=False),
+    sa.Column("outcome", sa.String(32), nullable=False),
+    sa.Column("error", sa.Text),
+    sa.Column("recorded_at", sa.Float(precision=53), nullable=False),
+)
