@@ -17,12 +17,14 @@ from celery_pulse.errors import (
     Terminal,
 )
 from celery_pulse.install import install
+from celery_pulse.lease import Lease, current_lease
 from celery_pulse.settings import Settings
 
 __version__ = "0.1.0"
 
 __all__ = [
     "InvalidConfig",
+    "Lease",
     "LeaseLost",
     "NotFound",
     "NotRegistered",
@@ -33,5 +35,6 @@ __all__ = [
     "Taken",
     "Terminal",
     "__version__",
+    "current_lease",
     "install",
 ]

@@ -41,6 +41,7 @@ def install(app: Any) -> Any:
     from celery_pulse.bootsteps.runtime import Runtime
 
     register_pool_alias()
+    app.Task.Strategy = "celery_pulse.strategy:factory"
     app.steps["worker"].add(Runtime)
     app.steps["consumer"].add(Registry)
     return app

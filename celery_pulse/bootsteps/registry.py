@@ -10,7 +10,6 @@ from celery import __version__ as celery_version
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.runtime import EXIT_IDENTITY_LOST
 from celery_pulse.registry import Membership
 
@@ -20,7 +19,7 @@ logger = logging.getLogger(__name__)
 class _Listener:
     """Turns membership changes into consumer actions."""
 
-    def __init__(self, consumer: Any, gate: ConsumeGate) -> None:
+    def __init__(self, consumer: Any, gate: Any) -> None:
         self.consumer = consumer
         self.gate = gate
 
@@ -63,7 +62,7 @@ class Registry(bootsteps.StartStopStep):
         pulse = c.controller.pulse
         if pulse.membership is None:
             settings = pulse.settings
-            pulse.gate = ConsumeGate(c)
+            pulse.bind(c)
             pulse.membership = Membership(
                 pulse.store, c.hostname, worker_labels(c), ttl=settings.worker_ttl,
                 interval=settings.heartbeat_interval, margin=settings.safety_margin,
@@ -71,6 +70,7 @@ class Registry(bootsteps.StartStopStep):
             pool = c.controller.pool
             pool.pulse = pulse
             pulse.membership.start()
+            pulse.start_leases()
         else:
             pulse.gate.reapply()
 
@@ -81,12 +81,4 @@ class Registry(bootsteps.StartStopStep):
         pass  # deregistration waits for in-flight tasks (see PulseWorker.shutdown)
 
     def info(self, c: Any) -> dict[str, Any]:
-        pulse = c.controller.pulse
-        m = pulse.membership
-        if m is None:
-            return {}
-        return {"pulse": {"worker_id": m.worker_id, "state": m.state,
-                          "registration_expires_in": round(m.expires_in, 3),
-                          "store": pulse.store.url,
-                          "consuming": pulse.gate.is_open,
-                          "paused_for": sorted(pulse.gate.reasons)}}
+        return {"pulse": c.controller.pulse.info()}

@@ -8,14 +8,24 @@ to run, and exit code 78 (EX_CONFIG).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from celery import bootsteps
 from kombu.utils.imports import symbol_by_name
 
+from celery_pulse.bootsteps.gate import ConsumeGate
+from celery_pulse.bootsteps.intake import Intake
+from celery_pulse.bootsteps.loop import LoopCaller
 from celery_pulse.errors import PulseError
+from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
+from celery_pulse.pool import child
+from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.settings import Settings
 from celery_pulse.store.sql import open_store
 
@@ -41,22 +51,163 @@ def uses_pulse_pool(worker: Any) -> bool:
 
 
 class PulseWorker:
-    """What one worker process holds: settings, store, and the services the steps start."""
+    """What one worker process holds: settings, store, and the services the steps start.
 
-    def __init__(self, settings: Settings, store: Any) -> None:
+    Also the adapter between the lease mechanism (:class:`LeaseKeeper`) and Celery:
+    it acknowledges messages, signals pool children, sends events and keeps the
+    prefetch limit, always on the consumer's event loop.
+    """
+
+    def __init__(self, app: Any, hostname: str, concurrency: int, settings: Settings,
+                 store: Any) -> None:
+        self.app = app
+        self.hostname = hostname
         self.settings = settings
         self.store = store
         self.membership: Any = None
-        self.gate: Any = None
+        self.consumer: Any = None
+        self.gate: ConsumeGate | None = None
+        self.loop: LoopCaller = LoopCaller(None)
+        self.stopping = False
+        self._intake: Intake | None = None
         self._shut = False
+        multiplier = int(app.conf.worker_prefetch_multiplier or 0)
+        self.prefetch_limit = multiplier * max(1, concurrency) if multiplier > 0 else 0
+        self.table = DeadlineTable()
+        self.keeper = LeaseKeeper(store, hostname, ttl=settings.lease_ttl,
+                                  interval=settings.renew_interval,
+                                  margin=settings.safety_margin, grace=settings.revoke_grace,
+                                  listener=self)
+        child.configure(child.ChildContext(app, settings.store_url, hostname,
+                                           settings.lease_ttl, self.table))
+
+    # -- binding to the consumer ------------------------------------------------
+    def bind(self, consumer: Any) -> None:
+        if self.consumer is consumer:
+            return
+        self.consumer = consumer
+        self.gate = ConsumeGate(consumer)
+        self.loop = LoopCaller(getattr(consumer, "hub", None))
+
+    def intake(self, consumer: Any) -> Intake:
+        self.bind(consumer)
+        if self._intake is None:
+            self._intake = Intake(self, consumer)
+        return self._intake
+
+    def start_leases(self) -> None:
+        self.keeper.start()
 
     def shutdown(self) -> None:
-        """Called after in-flight tasks have finished (pool stopped): deregister."""
+        """Called after in-flight tasks have finished (pool stopped): flush and deregister."""
         if self._shut:
             return
         self._shut = True
+        self.stopping = True
+        self.keeper.stop()
         if self.membership is not None:
             self.membership.stop(deregister=True)
+
+    # -- actions on the loop ------------------------------------------------------
+    def ack(self, message: Any) -> None:
+        try:
+            message.ack()
+        except Exception as exc:  # connection gone: the claim stands, we still run it
+            logger.warning("pulse: could not acknowledge message (%r); the reservation "
+                           "owns the task regardless", exc)
+
+    def duplicate(self, task_id: str, name: str, holder: str | None, epoch: int,
+                  why: str) -> None:
+        self.keeper.counters.duplicates += 1
+        logger.warning("pulse: duplicate delivery of %s[%s] dropped: %s (holder %s, epoch %d)",
+                       name, task_id, why, holder, epoch)
+        self.emit("pulse-duplicate-dropped", uuid=task_id, name=name, holder=holder,
+                  epoch=epoch, reason=why)
+
+    def exhausted(self, task_id: str, name: str) -> None:
+        logger.error("pulse: %s[%s] used up its %s attempts: failed, not run", name, task_id,
+                     "pulse_max_attempts")
+        try:
+            from celery_pulse.errors import Terminal
+
+            self.app.backend.mark_as_failure(
+                task_id, Terminal(f"attempt budget exhausted for task {task_id}"))
+        except Exception:  # no result backend configured, or it is down
+            logger.debug("pulse: could not record budget failure in the result backend",
+                         exc_info=True)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Send a worker event (only when events are enabled), on the loop thread."""
+        consumer = self.consumer
+        dispatcher = getattr(consumer, "event_dispatcher", None)
+        if dispatcher is None or not getattr(dispatcher, "enabled", False):
+            return
+
+        def send() -> None:
+            try:
+                dispatcher.send(event, hostname=self.hostname, **fields)
+            except Exception:
+                logger.debug("pulse: could not send %s event", event, exc_info=True)
+        self.loop.call(send)
+
+    def update_prefetch_gate(self) -> None:
+        if not self.prefetch_limit or self.gate is None:
+            return
+        waiting = self.keeper.unstarted() + (self._intake.pending if self._intake else 0)
+        if waiting >= self.prefetch_limit:
+            self.gate.close("prefetch limit")
+        else:
+            self.gate.open("prefetch limit")
+
+    # -- LeaseListener (renewer thread) ----------------------------------------------
+    def on_renewed(self, claims: Sequence[LocalClaim]) -> None:
+        for claim in claims:
+            if claim.slot is not None:
+                self.table.write(claim.slot, claim.task_id, claim.deadline, False)
+
+    def on_lost(self, claim: LocalClaim) -> None:
+        if claim.slot is not None:
+            self.table.write(claim.slot, claim.task_id, claim.deadline, True)
+        if claim.pid is not None:
+            self._signal(claim.pid, child.LEASE_SIGNAL)
+        self.emit("pulse-lease-lost", uuid=claim.task_id, epoch=claim.epoch,
+                  reason=claim.lost_reason, running=claim.pid is not None)
+
+    def on_hard_stop(self, claim: LocalClaim) -> None:
+        if claim.pid is not None:
+            self._signal(claim.pid, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(pid: int, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    # -- stats -----------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        counters = self.keeper.counters
+        with self.keeper._lock:
+            held = list(self.keeper.claims.values())
+        membership = self.membership
+        return {
+            "worker_id": self.hostname,
+            "store": self.store.url,
+            "registration": None if membership is None else {
+                "state": membership.state,
+                "expires_in": round(membership.expires_in, 3)},
+            "consuming": self.gate.is_open if self.gate else None,
+            "paused_for": sorted(self.gate.reasons) if self.gate else [],
+            "leases": {"held": sum(c.state != LOST for c in held),
+                       "running": sum(c.state == RUNNING for c in held),
+                       "reserved": sum(c.state == RESERVED for c in held),
+                       "prefetch_limit": self.prefetch_limit},
+            "renew_latency": counters.latency_percentiles(),
+            "counts": {"reserved": counters.reserved, "duplicates": counters.duplicates,
+                       "lost": counters.lost, "hard_stopped": counters.hard_stopped,
+                       "completed": counters.completed,
+                       "stale_completions": counters.stale_completions,
+                       "renewals": counters.renewals, "renew_failures": counters.renew_failures,
+                       "store_errors": counters.store_errors},
+        }
 
 
 class Runtime(bootsteps.StartStopStep):
@@ -76,7 +227,7 @@ class Runtime(bootsteps.StartStopStep):
             # Logging may not be set up yet: one plain line on stderr, no traceback.
             print(f"celery-pulse: cannot start: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_CONFIG) from None
-        w.pulse = PulseWorker(settings, store)
+        w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store)
         return self
 
     def start(self, w: Any) -> None:

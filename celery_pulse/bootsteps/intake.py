@@ -1,0 +1,174 @@
+"""Reservation at receipt: the claim row, not the broker, owns a task once it is acked.
+
+Per delivery (on the consumer loop):
+
+1. a task we already hold locally (same or older ``retries``) is a duplicate;
+2. otherwise the reservation is queued for the next group commit, and the message
+   stays unacknowledged meanwhile;
+3. granted -> ack, then hand the message to Celery's own strategy (with no-op
+   ack/reject, since it is acked already); refused -> ack and drop (duplicate,
+   finished, or budget spent); store unreachable -> no ack, stop consuming, retry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery_pulse.bootsteps.loop import LoopCaller
+from celery_pulse.errors import PulseError
+from celery_pulse.leases import LOST
+from celery_pulse.store.base import Grant, Message, Refusal, ReserveRequest
+
+logger = logging.getLogger(__name__)
+
+_DROP_PROPERTIES = ("delivery_tag", "delivery_info", "body_encoding")
+
+
+def _noop(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def capture(message: Any) -> Message:
+    """The message as delivered, byte-exact, minus delivery-specific bits."""
+    properties = {k: v for k, v in (message.properties or {}).items()
+                  if k not in _DROP_PROPERTIES}
+    delivery = {k: v for k, v in (message.delivery_info or {}).items()
+                if k in ("exchange", "routing_key", "priority", "redelivered")}
+    body = message.body
+    if isinstance(body, str):
+        body = body.encode(message.content_encoding or "utf-8")
+    return Message(body, dict(message.headers or {}), properties, delivery,
+                   message.content_type or "", message.content_encoding or "")
+
+
+def policy_for(task: Any, default: str | None) -> str:
+    """``pulse_on_lost`` of the task, else the setting, else by acks_late/idempotent."""
+    explicit = getattr(task, "pulse_on_lost", None) or default
+    if explicit:
+        return str(explicit)
+    if getattr(task, "acks_late", False) or getattr(task, "pulse_idempotent", False):
+        return "redispatch"
+    return "review"
+
+
+class Intake:
+    """Wraps Celery's strategy for each task type of one consumer."""
+
+    def __init__(self, pulse: Any, consumer: Any) -> None:
+        self.pulse = pulse
+        self.consumer = consumer
+        self.keeper = pulse.keeper
+        self.loop: LoopCaller = pulse.loop
+        self.pending = 0
+        self._store_down = False
+        self._backoff = 0.1
+
+    def wrap(self, task: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
+        settings = self.pulse.settings
+        policy = policy_for(task, settings.on_lost)
+        max_attempts = int(getattr(task, "pulse_max_attempts", None) or settings.max_attempts)
+
+        def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                    **kwargs: Any) -> None:
+            headers = message.headers or {}
+            task_id = headers.get("id")
+            if not task_id:  # task protocol 1: not leased
+                return inner(message, body, ack, reject, callbacks, **kwargs)  # type: ignore[no-any-return]
+            retries = int(headers.get("retries") or 0)
+            local = self.keeper.get(task_id)
+            if local is not None and local.state != LOST:
+                if retries <= local.retries:
+                    message.ack()
+                    self.pulse.duplicate(task_id, task.name, self.keeper.holder, local.epoch,
+                                         "already held by this worker")
+                    return None
+                # A retry of a task we still run: wait until that attempt completes.
+                self.loop.later(0.2, handler, message, body, ack, reject, callbacks)
+                return None
+            request = ReserveRequest(task_id, task.name, capture(message), policy,
+                                     max_attempts, retries)
+            self.pending += 1
+            self.pulse.update_prefetch_gate()
+
+            def on_result(result: Any, sent: float) -> None:
+                self.loop.call(self._settle, result, sent, request, message, body, callbacks,
+                               inner, handler)
+
+            if self.loop.hub is None:
+                self._reserve_blocking(request, on_result)
+            else:
+                self.keeper.submit_reserve(request, on_result)
+            return None
+
+        return handler
+
+    def _reserve_blocking(self, request: ReserveRequest,
+                          on_result: Callable[[Any, float], None]) -> None:
+        """Without an event loop: reserve inline (backpressure by blocking the consumer)."""
+        import time
+
+        while True:
+            try:
+                results, sent = self.keeper.reserve_now([request])
+                on_result(results[0], sent)
+                return
+            except PulseError as exc:
+                self._store_error(exc)
+                if self.pulse.stopping:
+                    return
+                time.sleep(self._backoff)
+
+    def _store_error(self, exc: PulseError) -> None:
+        if not self._store_down:
+            self._store_down = True
+            logger.error("pulse: cannot reserve tasks (%s): not acknowledging, "
+                         "pausing consumption until the store answers", exc)
+            self.pulse.gate.close("store unreachable")
+        self._backoff = min(self._backoff * 2, 2.0)
+
+    def _store_ok(self) -> None:
+        self._backoff = 0.1
+        if self._store_down:
+            self._store_down = False
+            logger.warning("pulse: store reachable again: reserving")
+            self.pulse.gate.open("store unreachable")
+
+    def _settle(self, result: Any, sent: float, request: ReserveRequest, message: Any,
+                body: Any, callbacks: Any, inner: Callable[..., Any],
+                handler: Callable[..., Any]) -> None:
+        """On the loop thread: act on the reservation's outcome."""
+        self.pending -= 1
+        try:
+            if isinstance(result, Grant):
+                self._store_ok()
+                scheduled = bool((message.headers or {}).get("eta"))
+                self.keeper.add(result, sent, request.retries, scheduled)
+                self.keeper.counters.reserved += 1
+                self.pulse.ack(message)
+                inner(message, body, _noop, _noop, callbacks)
+            elif isinstance(result, Refusal):
+                self._store_ok()
+                self._refused(result, request, message, body, callbacks, handler)
+            else:
+                self._store_error(result if isinstance(result, PulseError)
+                                  else PulseError(str(result)))
+                if self.loop.hub is not None:
+                    self.loop.later(self._backoff, handler, message, body, None, None, callbacks)
+        finally:
+            self.pulse.update_prefetch_gate()
+
+    def _refused(self, refusal: Refusal, request: ReserveRequest, message: Any, body: Any,
+                 callbacks: Any, handler: Callable[..., Any]) -> None:
+        if refusal.reason == "taken" and request.retries > refusal.retries:
+            # A retry published while the previous attempt is still finishing.
+            self.loop.later(0.25, handler, message, body, None, None, callbacks)
+            return
+        self.pulse.ack(message)
+        if refusal.reason == "exhausted":
+            self.pulse.exhausted(request.task_id, request.task_name)
+            return
+        what = "already finished" if refusal.reason == "terminal" else "held by another worker"
+        self.pulse.duplicate(request.task_id, request.task_name, refusal.holder, refusal.epoch,
+                             f"{what} ({refusal.state})")

@@ -1,0 +1,92 @@
+"""The task-side API: ``current_lease()`` and the :class:`Lease` it returns.
+
+Inside a task run by a pulse worker, the lease is the task's authority to apply
+side effects. Its fencing token is ``(task_id, epoch)``: the epoch strictly grows
+each time the task is granted again, so a resource that remembers the highest
+epoch it has seen can refuse a stale holder's write.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from celery_pulse.errors import LeaseLost
+from celery_pulse.store.base import mask_token
+
+#: ``(deadline, lost)`` reader supplied by the pool child; None when the slot is gone.
+DeadlineReader = Callable[[], "tuple[float, bool] | None"]
+Fencer = Callable[["Lease", Any], AbstractContextManager[Any]]
+
+_local = threading.local()
+
+
+class Lease:
+    """The lease under which the current task runs."""
+
+    def __init__(self, task_id: str, epoch: int, token: str, holder: str, *,
+                 read_deadline: DeadlineReader, fencer: Fencer, initial_deadline: float) -> None:
+        self.task_id = task_id
+        self.epoch = epoch
+        self.token = token
+        self.holder = holder
+        self._read_deadline = read_deadline
+        self._fencer = fencer
+        self._initial_deadline = initial_deadline
+        self._lost_signalled = False
+
+    def __repr__(self) -> str:
+        return (f"<Lease task_id={self.task_id!r} epoch={self.epoch} "
+                f"token={mask_token(self.token)!r} lost={self.lost}>")
+
+    @property
+    def deadline(self) -> float:
+        """Local self-fence deadline (``time.monotonic()`` seconds)."""
+        state = self._read_deadline()
+        return self._initial_deadline if state is None else state[0]
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is gone: revoked by the worker or past the local deadline."""
+        if self._lost_signalled:
+            return True
+        state = self._read_deadline()
+        if state is None:
+            return time.monotonic() >= self._initial_deadline
+        deadline, lost = state
+        return lost or time.monotonic() >= deadline
+
+    def mark_lost(self) -> None:
+        self._lost_signalled = True
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` if this task no longer holds its lease."""
+        if self.lost:
+            raise LeaseLost(self.lost_message())
+
+    def lost_message(self) -> str:
+        return (f"lease lost for task {self.task_id} epoch {self.epoch} "
+                f"(held by {self.holder}): stop applying side effects")
+
+    def fenced(self, conn: Any) -> AbstractContextManager[Any]:
+        """Run a block of writes on the store's database that commits only while we hold.
+
+        ``conn`` is a SQLAlchemy ``Connection`` or ``Session`` on the store's database,
+        not in a transaction. The claim row stays locked until commit, so no takeover
+        can be granted in between; on loss the block rolls back and raises LeaseLost.
+        """
+        return self._fencer(self, conn)
+
+
+def current_lease() -> Lease | None:
+    """The lease of the task running in this process, or None outside a pulse worker."""
+    lease: Lease | None = getattr(_local, "lease", None)
+    return lease
+
+
+def _set_current(lease: Lease | None) -> None:
+    _local.lease = lease
+

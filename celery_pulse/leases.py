@@ -1,0 +1,333 @@
+"""Per-task leases held by one worker: group commit, batched renewal, self-fencing.
+
+The mechanism only (no Celery, no SQL). The worker adapter feeds it reservations and
+completions and hears back through a :class:`LeaseListener`.
+
+Rules:
+
+* Every store call happens on one of two threads owned here: the *committer*
+  (reservations and completions, batched: whatever queued up while the previous
+  batch was in flight goes in the next statement) and the *renewer* (one statement
+  per interval for every lease held). Neither depends on the broker.
+* A lease's local deadline is ``sent_at(last successful grant or renewal) + ttl -
+  margin`` on the monotonic clock. Past it the lease is lost even if the store
+  cannot be reached: it ends here before the store could grant it to anyone else.
+* A lease not returned by a renewal is lost. Lost running tasks get the listener's
+  ``on_lost`` (cooperative cancel), then ``on_hard_stop`` after ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from celery_pulse.errors import PulseError, StoreUnavailable
+from celery_pulse.store.base import ClaimStore, Completion, Grant, Refusal, ReserveRequest, mask_token
+
+logger = logging.getLogger(__name__)
+
+RESERVED, RUNNING, LOST = "reserved", "running", "lost"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LocalClaim:
+    """This worker's view of one lease it holds."""
+
+    task_id: str
+    epoch: int
+    token: str
+    deadline: float
+    retries: int = 0
+    state: str = RESERVED
+    #: Held in memory until an ETA/countdown: does not count against prefetch.
+    scheduled: bool = False
+    pid: int | None = None
+    slot: int | None = None
+    lost_at: float | None = None
+    lost_reason: str = ""
+    hard_stopped: bool = False
+    #: Opaque adapter data (the Celery request).
+    request: Any = None
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return (self.task_id, self.epoch, self.token)
+
+    def __repr__(self) -> str:
+        return (f"LocalClaim({self.task_id!r}, epoch={self.epoch}, "
+                f"token={mask_token(self.token)!r}, state={self.state})")
+
+
+class LeaseListener(Protocol):
+    """Called from the renewer thread."""
+
+    def on_lost(self, claim: LocalClaim) -> None: ...
+    def on_hard_stop(self, claim: LocalClaim) -> None: ...
+    def on_renewed(self, claims: Sequence[LocalClaim]) -> None: ...
+
+
+@dataclasses.dataclass
+class Counters:
+    """What an operator wants counted (exported in worker stats)."""
+
+    reserved: int = 0
+    duplicates: int = 0
+    lost: int = 0
+    hard_stopped: int = 0
+    completed: int = 0
+    stale_completions: int = 0
+    renewals: int = 0
+    renew_failures: int = 0
+    store_errors: int = 0
+    renew_latency: list[float] = dataclasses.field(default_factory=list)
+
+    def record_latency(self, seconds: float) -> None:
+        self.renew_latency.append(seconds)
+        del self.renew_latency[:-256]
+
+    def latency_percentiles(self) -> dict[str, float | None]:
+        data = sorted(self.renew_latency)
+        if not data:
+            return {"p50": None, "p99": None}
+        return {"p50": round(data[len(data) // 2], 6),
+                "p99": round(data[min(len(data) - 1, int(len(data) * 0.99))], 6)}
+
+
+ReserveCallback = Callable[[Grant | Refusal | PulseError, float], None]
+CompleteCallback = Callable[[str | PulseError], None]
+
+
+class LeaseKeeper:
+    """Holds this worker's leases and talks to the store on its own threads."""
+
+    def __init__(self, store: ClaimStore, holder: str, *, ttl: float, interval: float,
+                 margin: float, grace: float, listener: LeaseListener,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.holder = holder
+        self.ttl = ttl
+        self.interval = interval
+        self.margin = margin
+        self.grace = grace
+        self.listener = listener
+        self.monotonic = monotonic
+        self.claims: dict[str, LocalClaim] = {}
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._ops: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        for name, target in (("pulse-commit", self._commit_loop), ("pulse-renew", self._renew_loop)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Flush queued completions, release reservations never started, stop threads."""
+        self._ops.put(None)
+        for thread in self._threads[:1]:
+            thread.join(timeout=30)
+        self._stop.set()
+        for thread in self._threads[1:]:
+            thread.join(timeout=self.interval + 5)
+        with self._lock:
+            unstarted = [c for c in self.claims.values() if c.state == RESERVED]
+        if unstarted:
+            try:
+                released = self.store.release(self.holder, [c.key for c in unstarted])
+                logger.info("pulse: released %d reservation(s) never started", released)
+            except PulseError as exc:
+                logger.warning("pulse: could not release reservations (they expire in "
+                               "at most %gs): %s", self.ttl, exc)
+
+    # -- the local table ------------------------------------------------------
+    def add(self, grant: Grant, sent_at: float, retries: int, scheduled: bool) -> LocalClaim:
+        claim = LocalClaim(grant.task_id, grant.epoch, grant.token,
+                           sent_at + self.ttl - self.margin, retries, scheduled=scheduled)
+        with self._lock:
+            self.claims[claim.task_id] = claim
+        return claim
+
+    def get(self, task_id: str) -> LocalClaim | None:
+        with self._lock:
+            return self.claims.get(task_id)
+
+    def forget(self, claim: LocalClaim) -> None:
+        with self._lock:
+            if self.claims.get(claim.task_id) is claim:
+                del self.claims[claim.task_id]
+
+    def unstarted(self) -> int:
+        """Reservations waiting for a pool slot (prefetch accounting; ETA ones excluded)."""
+        with self._lock:
+            return sum(1 for c in self.claims.values()
+                       if c.state == RESERVED and not c.scheduled)
+
+    def is_live(self, claim: LocalClaim) -> bool:
+        return claim.state != LOST and self.monotonic() < claim.deadline
+
+    # -- group commit -----------------------------------------------------------
+    def submit_reserve(self, request: ReserveRequest, callback: ReserveCallback) -> None:
+        """Queue a reservation; ``callback(result, sent_at)`` runs on the commit thread."""
+        self._ops.put(("reserve", request, callback))
+
+    def submit_complete(self, claim: LocalClaim, outcome: str, error: str | None,
+                        callback: CompleteCallback | None = None) -> None:
+        self.forget(claim)
+        completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error)
+        self._ops.put(("complete", completion, callback))
+
+    def reserve_now(self, requests: Sequence[ReserveRequest]) -> tuple[list[Grant | Refusal], float]:
+        """Synchronous reservation (for event loops without a hub)."""
+        sent = self.monotonic()
+        return self.store.reserve(self.holder, requests, self.ttl), sent
+
+    def _commit_loop(self) -> None:
+        closing = False
+        while not closing:
+            first = self._ops.get()
+            batch = [first]
+            while len(batch) < 500:
+                try:
+                    batch.append(self._ops.get_nowait())
+                except queue.Empty:
+                    break
+            closing = any(op is None for op in batch)
+            ops = [op for op in batch if op is not None]
+            reserves = [op for op in ops if op[0] == "reserve"]
+            completes = [op for op in ops if op[0] == "complete"]
+            if reserves:
+                self._commit_reserves(reserves)
+            if completes:
+                self._commit_completions(completes, closing)
+
+    def _commit_reserves(self, ops: list[tuple[str, Any, Any]]) -> None:
+        sent = self.monotonic()
+        try:
+            results: list[Any] = self.store.reserve(self.holder, [op[1] for op in ops], self.ttl)
+        except PulseError as exc:
+            self.counters.store_errors += 1
+            results = [exc] * len(ops)
+        except Exception as exc:  # never kill the commit thread
+            logger.exception("pulse: reservation batch failed")
+            results = [StoreUnavailable(f"reservation failed: {exc!r}")] * len(ops)
+        for op, result in zip(ops, results, strict=True):
+            try:
+                op[2](result, sent)
+            except Exception:
+                logger.exception("pulse: reservation callback failed")
+
+    def _commit_completions(self, ops: list[tuple[str, Any, Any]], closing: bool) -> None:
+        completions = [op[1] for op in ops]
+        delay = 0.2
+        give_up = self.monotonic() + self.ttl if closing else None
+        while True:
+            try:
+                outcomes: dict[str, Any] = self.store.complete(self.holder, completions)
+                break
+            except StoreUnavailable as exc:
+                # A completion is worth waiting for: without it Recover would re-run or
+                # review a task that did finish. While running, wait as long as it takes
+                # (reservations would fail anyway); at shutdown, at most one lease TTL.
+                self.counters.store_errors += 1
+                if give_up is not None and self.monotonic() > give_up:
+                    logger.error("pulse: could not record %d completion(s) before exit: %s",
+                                 len(completions), exc)
+                    outcomes = dict.fromkeys((c.task_id for c in completions), exc)
+                    break
+                logger.warning("pulse: recording %d completion(s) failed, retrying: %s",
+                               len(completions), exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        for op in ops:
+            result = outcomes.get(op[1].task_id)
+            if result == "applied":
+                self.counters.completed += 1
+            elif result == "evidence":
+                self.counters.stale_completions += 1
+                logger.warning("pulse: late outcome %r for task %s epoch %d kept as evidence only",
+                               op[1].outcome, op[1].task_id, op[1].epoch)
+            if op[2] is not None:
+                op[2](result)
+
+    # -- renewal ----------------------------------------------------------------
+    def _renew_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                delay = self.renew_once()
+            except Exception:
+                logger.exception("pulse: renewal failed unexpectedly")
+                delay = self.interval
+            self._stop.wait(delay)
+        # Keep renewing while stop() waits for the committer: handled by the caller
+        # stopping us only after the pool has drained.
+
+    def renew_once(self) -> float:
+        """Renew every lease, mark losses, hard-stop the overdue. Returns the next delay."""
+        with self._lock:
+            held = [c for c in self.claims.values() if c.state in (RESERVED, RUNNING)]
+        if held:
+            sent = self.monotonic()
+            renewed: set[str] | None
+            busy: set[str] | None
+            try:
+                renewed, busy = self.store.renew(self.holder, [c.key for c in held], self.ttl)
+            except PulseError as exc:
+                self.counters.renew_failures += 1
+                logger.warning("pulse: renewing %d lease(s) failed: %s", len(held), exc)
+                renewed = busy = None
+            else:
+                self.counters.renewals += 1
+                self.counters.record_latency(self.monotonic() - sent)
+            if renewed is not None and busy is not None:
+                ok = renewed | busy
+                kept = []
+                for claim in held:
+                    if claim.task_id in ok:
+                        claim.deadline = sent + self.ttl - self.margin
+                        kept.append(claim)
+                    else:
+                        self._lose(claim, "not renewed: the store no longer grants this lease")
+                if kept:
+                    self.listener.on_renewed(kept)
+        now = self.monotonic()
+        with self._lock:
+            claims = list(self.claims.values())
+        for claim in claims:
+            if claim.state in (RESERVED, RUNNING) and now >= claim.deadline:
+                self._lose(claim, "self-fenced: no successful renewal before the local deadline")
+            elif (claim.state == LOST and claim.pid is not None and not claim.hard_stopped
+                  and claim.lost_at is not None and now >= claim.lost_at + self.grace):
+                claim.hard_stopped = True
+                self.counters.hard_stopped += 1
+                logger.error("pulse: task %s epoch %d ignored LeaseLost for %gs: hard stop",
+                             claim.task_id, claim.epoch, self.grace)
+                self.listener.on_hard_stop(claim)
+        next_deadline = min((c.deadline for c in claims if c.state in (RESERVED, RUNNING)),
+                            default=now + self.interval)
+        next_stop = min((c.lost_at + self.grace for c in claims
+                         if c.state == LOST and c.lost_at is not None and not c.hard_stopped),
+                        default=now + self.interval)
+        return max(0.01, min(self.interval, next_deadline - now, next_stop - now))
+
+    def _lose(self, claim: LocalClaim, reason: str) -> None:
+        if claim.state == LOST:
+            return
+        was = claim.state
+        claim.state = LOST
+        claim.lost_at = self.monotonic()
+        claim.lost_reason = reason
+        self.counters.lost += 1
+        logger.warning("pulse: lease lost for task %s epoch %d (%s, was %s)",
+                       claim.task_id, claim.epoch, reason, was)
+        # A lost reservation stays in the table (state LOST) so the pool drops it
+        # instead of running it when its turn comes.
+        self.listener.on_lost(claim)

@@ -1,0 +1,137 @@
+"""What runs inside a pool child: authorise the start, expose the lease, cancel on loss.
+
+The parent wraps each leased job's target in :func:`run_leased`. In the child it:
+
+1. moves the claim to ``running`` in the store (``start``: epoch, token and expiry
+   checked by the store clock). Refused -> the body never runs; the parent drops
+   the job (the reservation was lost before start, so it is safe to re-dispatch);
+2. makes the lease visible to the task (``current_lease()``);
+3. arms a ``SIGUSR2`` handler: when the parent revokes the lease, the handler raises
+   :class:`LeaseLost` — but only while the task's own code is on the stack, never
+   inside Celery's tracer after the body (that must finish recording the outcome).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from types import CodeType, FrameType
+from typing import Any
+
+from celery_pulse.errors import LeaseLost, PulseError
+from celery_pulse.lease import Lease, _set_current
+from celery_pulse.pool.slots import DeadlineTable
+
+LEASE_SIGNAL = signal.SIGUSR2
+REFUSED = "celery-pulse:start-refused"
+
+
+@dataclasses.dataclass
+class ChildContext:
+    """Set in the parent before the children fork; inherited by every child."""
+
+    app: Any
+    store_url: str
+    holder: str
+    ttl: float
+    table: DeadlineTable
+
+
+_context: ChildContext | None = None
+_store: Any = None
+_armed: tuple[Lease, frozenset[CodeType]] | None = None
+_handler_installed = False
+_codes: dict[str, frozenset[CodeType]] = {}
+
+
+def configure(context: ChildContext) -> None:
+    """Called in the parent (before fork)."""
+    global _context
+    _context = context
+
+
+def _child_store() -> Any:
+    global _store
+    if _store is None:
+        from celery_pulse.store.sql import SqlStore
+        from celery_pulse.store.sql.engine import make_engine
+
+        assert _context is not None
+        _store = SqlStore(make_engine(_context.store_url))
+    return _store
+
+
+def _task_codes(name: str) -> frozenset[CodeType]:
+    """Code objects whose frames mean "the task body is running"."""
+    codes = _codes.get(name)
+    if codes is not None:
+        return codes
+    from celery.app.task import Task
+
+    assert _context is not None
+    task = _context.app.tasks.get(name)
+    found: set[CodeType] = set()
+    for attr in ("run", "__call__"):
+        fn = getattr(type(task), attr, None) if attr == "__call__" else getattr(task, attr, None)
+        if attr == "__call__" and fn is Task.__call__:
+            continue
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            found.add(code)
+    codes = _codes[name] = frozenset(found)
+    return codes
+
+
+def _on_lease_signal(signum: int, frame: FrameType | None) -> None:
+    armed = _armed
+    if armed is None:
+        return
+    lease, codes = armed
+    if not lease.lost:  # a late signal meant for an earlier task in this child
+        return
+    lease.mark_lost()
+    while frame is not None:
+        if frame.f_code in codes:
+            raise LeaseLost(lease.lost_message())
+        frame = frame.f_back
+
+
+def _install_handler() -> None:
+    global _handler_installed
+    if not _handler_installed:
+        signal.signal(LEASE_SIGNAL, _on_lease_signal)
+        _handler_installed = True
+
+
+def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """Authorise the start in the store, then run ``target`` under the lease."""
+    global _armed
+    request = args[2] if len(args) > 2 and isinstance(args[2], dict) else {}
+    info = request.get("pulse")
+    if info is None or _context is None:
+        return target(*args, **kwargs)
+    task_id = info["task_id"]
+    try:
+        started = _child_store().start(_context.holder, task_id, info["epoch"], info["token"],
+                                       _context.ttl)
+    except PulseError:
+        started = None
+    if started is None:
+        return (REFUSED, task_id)
+    from celery_pulse.store.sql.fence import make_fencer
+
+    table, slot = _context.table, info.get("slot")
+    lease = Lease(task_id, info["epoch"], info["token"], _context.holder,
+                  read_deadline=(lambda: table.read(slot, task_id)) if slot is not None
+                  else (lambda: None),
+                  fencer=make_fencer(_context.store_url, _context.ttl),
+                  initial_deadline=info["deadline"])
+    _install_handler()
+    _armed = (lease, _task_codes(args[0]))
+    _set_current(lease)
+    try:
+        return target(*args, **kwargs)
+    finally:
+        _armed = None
+        _set_current(None)

@@ -1,0 +1,19 @@
+"""Celery task ``Strategy`` factory: every delivered message is reserved before it runs.
+
+``install(app)`` sets ``app.Task.Strategy`` to :func:`factory`. In a worker that
+does not run the pulse pool it returns Celery's own strategy unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.worker.strategy import default
+
+
+def factory(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    inner = default(task, app, consumer, **kwargs)
+    pulse = getattr(consumer.controller, "pulse", None)
+    if pulse is None:
+        return inner
+    return pulse.intake(consumer).wrap(task, inner)
