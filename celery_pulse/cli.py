@@ -6,7 +6,10 @@ also where ``-P pulse`` becomes a valid choice (see ``install.register_pool_alia
 
 from __future__ import annotations
 
+import dataclasses
+import getpass
 import json
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -103,6 +106,92 @@ def workers(ctx: click.Context, as_json: bool) -> None:
         _print_workers(rows)
 
 
+def _claim_payload(c: Any) -> dict[str, Any]:
+    return {"task_id": c.task_id, "task": c.task_name, "state": c.state, "holder": c.holder,
+            "epoch": c.epoch, "attempts": c.attempts, "max_attempts": c.max_attempts,
+            "policy": c.policy,
+            "lease_remaining": None if c.lease_remaining is None else round(c.lease_remaining, 3),
+            "outcome": c.outcome, "error": c.error}
+
+
+@pulse.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--state", "states", multiple=True,
+              help="Only these states (default: reserved and running).")
+@click.option("--limit", default=200, show_default=True)
+@click.pass_context
+def claims(ctx: click.Context, as_json: bool, states: tuple[str, ...], limit: int) -> None:
+    """Task claims: holder, epoch, remaining lease (store clock), attempts."""
+    with _store(ctx) as store:
+        rows = [_claim_payload(c) for c in
+                store.list_claims(list(states) or ["reserved", "running"], limit=limit)]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    if not rows:
+        click.echo("no claims")
+        return
+    click.echo(f"{'TASK ID':<36}  {'STATE':<12}  {'HOLDER':<20}  {'EPOCH':>5}  "
+               f"{'LEASE':>8}  {'ATTEMPTS':>8}  TASK")
+    for r in rows:
+        lease = "-" if r["lease_remaining"] is None else _fmt_seconds(r["lease_remaining"])
+        click.echo(f"{r['task_id']:<36}  {r['state']:<12}  {r['holder'] or '-':<20}  "
+                   f"{r['epoch']:>5}  {lease:>8}  {r['attempts']:>3}/{r['max_attempts']:<4}  "
+                   f"{r['task']}")
+
+
+@pulse.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def review(ctx: click.Context, as_json: bool) -> None:
+    """Tasks whose outcome is unknown (started, then lost): list, retry or resolve."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with _store(ctx) as store:
+        items = [dataclasses.asdict(i) for i in store.list_review()]
+    if as_json:
+        click.echo(json.dumps(items, indent=2, sort_keys=True))
+        return
+    if not items:
+        click.echo("nothing needs review")
+        return
+    for i in items:
+        click.echo(f"{i['task_id']}  {i['task_name']}  last holder {i['last_holder'] or '-'}  "
+                   f"epoch {i['epoch']}  attempts {i['attempts']}  {i['args_summary']}")
+
+
+def _who() -> str:
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+@review.command("retry")
+@click.argument("task_id")
+@click.option("--note", default=None, help="Why (kept for audit).")
+@click.pass_context
+def review_retry(ctx: click.Context, task_id: str, note: str | None) -> None:
+    """Re-publish a needs-review (or failed) task for one more attempt."""
+    from celery_pulse.bootsteps.publish import republish
+
+    app = ctx.obj.app
+    with _store(ctx) as store:
+        item = store.review_retry(task_id, f"review:{_who()}", 60.0, _who(), note)
+        republish(app, item)
+        store.mark_published([(item.task_id, item.epoch, item.token or "")])
+    click.echo(f"{task_id} re-published (epoch {item.epoch})")
+
+
+@review.command("resolve")
+@click.argument("task_id")
+@click.option("--outcome", type=click.Choice(["succeeded", "failed"]), required=True)
+@click.option("--note", default=None, help="Why (kept for audit).")
+@click.pass_context
+def review_resolve(ctx: click.Context, task_id: str, outcome: str, note: str | None) -> None:
+    """Close a needs-review task by hand."""
+    with _store(ctx) as store:
+        store.review_resolve(task_id, outcome, _who(), note)
+    click.echo(f"{task_id} resolved as {outcome}")
+
+
 @pulse.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
@@ -110,15 +199,28 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """The cluster at a glance (exit 1 when something needs a human)."""
     with _store(ctx) as store:
         rows = _workers_payload(store)
+        counts = store.claim_counts()
         payload = {"store": store.url, "store_now": store.now(), "workers": rows,
                    "workers_alive": sum(r["alive"] for r in rows),
-                   "workers_dead": sum(not r["alive"] for r in rows)}
+                   "workers_dead": sum(not r["alive"] for r in rows),
+                   "claims": {k: counts.get(k, 0) for k in
+                              ("reserved", "running", "open", "expired", "succeeded", "failed",
+                               "needs_review")}}
+    needs_human = payload["claims"]["needs_review"] > 0
     if as_json:
         click.echo(json.dumps(payload, indent=2, sort_keys=True))
-        return
-    click.echo(f"store: {payload['store']}")
-    click.echo(f"workers: {payload['workers_alive']} alive, {payload['workers_dead']} dead")
-    _print_workers(rows)
+    else:
+        c = payload["claims"]
+        click.echo(f"store: {payload['store']}")
+        click.echo(f"workers: {payload['workers_alive']} alive, {payload['workers_dead']} dead")
+        _print_workers(rows)
+        click.echo(f"claims: {c['running']} running, {c['reserved']} reserved, {c['open']} "
+                   f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
+                   f"succeeded, {c['failed']} failed")
+        review_line = f"needs review: {c['needs_review']}"
+        click.echo(click.style(review_line, fg="red") if needs_human else review_line)
+    if needs_human:
+        ctx.exit(1)
 
 
 def main() -> None:  # pragma: no cover - convenience for `python -m celery_pulse.cli`

@@ -22,11 +22,14 @@ from kombu.utils.imports import symbol_by_name
 from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.intake import Intake
 from celery_pulse.bootsteps.loop import LoopCaller
+from celery_pulse.bootsteps.publish import republish
 from celery_pulse.errors import PulseError
 from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
+from celery_pulse.recover import Recoverer
 from celery_pulse.settings import Settings
+from celery_pulse.store.base import FAILED, NEEDS_REVIEW, Recovered
 from celery_pulse.store.sql import open_store
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,11 @@ class PulseWorker:
                                   listener=self)
         child.configure(child.ChildContext(app, settings.store_url, hostname,
                                            settings.lease_ttl, self.table))
+        self.recoverer = Recoverer(
+            store, hostname, interval=settings.recover_interval, batch=settings.recover_batch,
+            publish_ttl=max(5.0, settings.lease_ttl), retention=settings.retention,
+            publish=lambda item: republish(app, item), listener=self,
+            purge=store.purge_finished)
 
     # -- binding to the consumer ------------------------------------------------
     def bind(self, consumer: Any) -> None:
@@ -97,6 +105,7 @@ class PulseWorker:
 
     def start_leases(self) -> None:
         self.keeper.start()
+        self.recoverer.start()
 
     def shutdown(self) -> None:
         """Called after in-flight tasks have finished (pool stopped): flush and deregister."""
@@ -104,6 +113,7 @@ class PulseWorker:
             return
         self._shut = True
         self.stopping = True
+        self.recoverer.stop()
         self.keeper.stop()
         if self.membership is not None:
             self.membership.stop(deregister=True)
@@ -182,6 +192,14 @@ class PulseWorker:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
 
+    # -- RecoverListener (recover thread) --------------------------------------------
+    def on_recovered(self, item: Recovered) -> None:
+        if item.state == FAILED:
+            self.exhausted(item.task_id, item.task_name)
+        event = "pulse-needs-review" if item.state == NEEDS_REVIEW else "pulse-task-recovered"
+        self.emit(event, uuid=item.task_id, name=item.task_name, epoch=item.epoch,
+                  state=item.state, was=item.was)
+
     # -- stats -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         counters = self.keeper.counters
@@ -207,6 +225,7 @@ class PulseWorker:
                        "stale_completions": counters.stale_completions,
                        "renewals": counters.renewals, "renew_failures": counters.renew_failures,
                        "store_errors": counters.store_errors},
+            "recover": dict(self.recoverer.counts),
         }
 
 

@@ -269,5 +269,71 @@ class ClaimStore(abc.ABC):
         """Number of claims per state, plus ``expired`` (live states past their lease)."""
 
 
-class Store(RegistryStore, ClaimStore):
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recovered:
+    """A claim Recover (or a reviewer) took over.
+
+    ``state`` is ``open`` (re-publish ``message``, then :meth:`RecoverStore.mark_published`
+    with ``epoch``/``token``), ``needs_review`` or ``failed`` (budget spent).
+    """
+
+    task_id: str
+    task_name: str
+    state: str
+    was: str
+    epoch: int
+    token: str | None
+    attempts: int
+    message: Message
+
+    def __repr__(self) -> str:
+        return (f"Recovered(task_id={self.task_id!r}, state={self.state!r}, was={self.was!r}, "
+                f"epoch={self.epoch})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReviewItem:
+    task_id: str
+    task_name: str
+    last_holder: str | None
+    epoch: int
+    attempts: int
+    args_summary: str
+    since: float
+
+
+class RecoverStore(abc.ABC):
+    """What Recover and the review workflow need."""
+
+    @abc.abstractmethod
+    def recover(self, scanner: str, batch: int, publish_ttl: float) -> list[Recovered]:
+        """Take over up to ``batch`` claims whose lease expired by the store clock.
+
+        Each is moved under a new epoch, atomically, never by two scanners:
+        a never-started reservation, or a started claim whose policy is
+        ``redispatch``, becomes ``open`` under the scanner's short publish lease
+        (``publish_ttl``) — or ``failed`` when its attempt budget is spent; a started
+        claim with policy ``review`` becomes ``needs_review``. An ``open`` claim whose
+        publish lease expired (the scanner died before publishing) is taken again.
+        """
+
+    @abc.abstractmethod
+    def mark_published(self, items: Sequence[tuple[str, int, str]]) -> int:
+        """The message of each ``(task_id, epoch, token)`` is back in the broker."""
+
+    @abc.abstractmethod
+    def list_review(self, limit: int = 1000) -> list[ReviewItem]:
+        """Tasks waiting for a human decision, oldest first."""
+
+    @abc.abstractmethod
+    def review_retry(self, task_id: str, scanner: str, publish_ttl: float, who: str,
+                     note: str | None) -> Recovered:
+        """Re-open a needs-review (or failed) task for one more attempt; the caller publishes."""
+
+    @abc.abstractmethod
+    def review_resolve(self, task_id: str, outcome: str, who: str, note: str | None) -> None:
+        """Close a needs-review task as ``succeeded`` or ``failed`` (recorded for audit)."""
+
+
+class Store(RegistryStore, ClaimStore, RecoverStore):
     """The whole contract (the SQL store implements it)."""

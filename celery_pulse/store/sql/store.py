@@ -13,11 +13,18 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_pulse.errors import InvalidConfig, NotRegistered, SchemaMissing, StoreUnavailable
+from celery_pulse.errors import (
+    InvalidConfig,
+    NotFound,
+    NotRegistered,
+    SchemaMissing,
+    StoreUnavailable,
+)
 from celery_pulse.settings import mask_url
 from celery_pulse.store.base import (
     FAILED,
     LIVE_STATES,
+    NEEDS_REVIEW,
     OPEN,
     RESERVED,
     RETRY,
@@ -28,9 +35,12 @@ from celery_pulse.store.base import (
     Completion,
     Grant,
     Heartbeat,
+    Message,
+    Recovered,
     Refusal,
     Registration,
     ReserveRequest,
+    ReviewItem,
     Store,
     WorkerInfo,
 )
@@ -38,7 +48,7 @@ from celery_pulse.store.sql import migrate
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import make_engine
 from celery_pulse.store.sql.errors import translated
-from celery_pulse.store.sql.tables import claims, evidence, workers
+from celery_pulse.store.sql.tables import claims, evidence, reviews, workers
 
 _OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, RETRY: OPEN}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
@@ -371,6 +381,125 @@ class SqlStore(Store):
             counts["expired"] = int(conn.execute(
                 sa.select(sa.func.count()).select_from(claims).where(expired)).scalar_one())
         return counts
+
+    # -- recover and review ------------------------------------------------------------
+    def _recovered(self, row: Any, state: str, epoch: int, token: str | None) -> Recovered:
+        return Recovered(row.task_id, row.task_name, state, row.state, epoch, token,
+                         int(row.attempts), Message(
+                             bytes(row.body), json.loads(row.headers), json.loads(row.properties),
+                             json.loads(row.delivery_info), row.content_type,
+                             row.content_encoding))
+
+    def recover(self, scanner: str, batch: int, publish_ttl: float) -> list[Recovered]:
+        now = self._now
+        expired = sa.or_(
+            sa.and_(claims.c.state.in_(LIVE_STATES), claims.c.lease_until <= now),
+            sa.and_(claims.c.state == OPEN, claims.c.lease_until.is_not(None),
+                    claims.c.lease_until <= now))
+        pick = sa.select(claims).where(expired).order_by(claims.c.lease_until).limit(batch)
+        if self.dialect.is_postgres:
+            # Rows another scanner is taking right now are skipped, not waited for.
+            pick = pick.with_for_update(skip_locked=True)
+        out: list[Recovered] = []
+        with translated("recover"), self.engine.begin() as conn:
+            rows = conn.execute(pick).all()
+            groups: dict[str, list[Any]] = {OPEN: [], FAILED: [], NEEDS_REVIEW: []}
+            for r in rows:
+                redispatch = r.state in (RESERVED, OPEN) or r.policy == "redispatch"
+                if not redispatch:
+                    groups[NEEDS_REVIEW].append(r)
+                elif r.attempts >= r.max_attempts:
+                    groups[FAILED].append(r)
+                else:
+                    groups[OPEN].append(r)
+            for state, members in groups.items():
+                if not members:
+                    continue
+                key = sa.tuple_(claims.c.task_id, claims.c.epoch).in_(
+                    [(r.task_id, r.epoch) for r in members])
+                values: dict[str, Any] = {"state": state, "epoch": claims.c.epoch + 1}
+                if state == OPEN:
+                    values.update(holder=scanner, token=self.dialect.new_token(),
+                                  lease_until=now + publish_ttl)
+                elif state == FAILED:
+                    values.update(token=None, lease_until=None, finished_at=now,
+                                  outcome="exhausted",
+                                  error="attempt budget exhausted (lease expired)")
+                else:
+                    values.update(token=None, lease_until=None, outcome="unknown",
+                                  error="started, then its lease expired: outcome unknown")
+                granted = {g.task_id: g for g in conn.execute(
+                    sa.update(claims).where(key).values(**values)
+                    .returning(claims.c.task_id, claims.c.epoch, claims.c.token))}
+                for r in members:
+                    g = granted.get(r.task_id)
+                    if g is not None:
+                        out.append(self._recovered(r, state, int(g.epoch), g.token))
+        return out
+
+    def mark_published(self, items: Sequence[tuple[str, int, str]]) -> int:
+        if not items:
+            return 0
+        stmt = (sa.update(claims).where(self._lease_key(items), claims.c.state == OPEN)
+                .values(lease_until=None, holder=None, token=None))
+        with translated("mark_published"), self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount
+
+    def list_review(self, limit: int = 1000) -> list[ReviewItem]:
+        stmt = (sa.select(claims.c.task_id, claims.c.task_name, claims.c.holder, claims.c.epoch,
+                          claims.c.attempts, claims.c.headers, claims.c.reserved_at,
+                          claims.c.created_at)
+                .where(claims.c.state == NEEDS_REVIEW).order_by(claims.c.created_at).limit(limit))
+        with translated("list_review"), self.engine.connect() as conn:
+            rows = conn.execute(stmt).all()
+        items = []
+        for r in rows:
+            headers = json.loads(r.headers)
+            summary = f"{headers.get('argsrepr', '')} {headers.get('kwargsrepr', '')}".strip()
+            items.append(ReviewItem(r.task_id, r.task_name, r.holder, int(r.epoch),
+                                    int(r.attempts), summary[:200],
+                                    float(r.reserved_at or r.created_at)))
+        return items
+
+    def _audit(self, conn: sa.Connection, task_id: str, action: str, outcome: str | None,
+               who: str, note: str | None) -> None:
+        conn.execute(sa.insert(reviews).values(task_id=task_id, action=action, outcome=outcome,
+                                               note=note, decided_by=who, decided_at=self._now))
+
+    def review_retry(self, task_id: str, scanner: str, publish_ttl: float, who: str,
+                     note: str | None) -> Recovered:
+        now = self._now
+        with translated("review_retry"), self.engine.begin() as conn:
+            row = conn.execute(sa.select(claims).where(
+                claims.c.task_id == task_id,
+                claims.c.state.in_((NEEDS_REVIEW, FAILED)))).one_or_none()
+            if row is None:
+                raise NotFound(f"no needs-review or failed task {task_id}")
+            got = conn.execute(
+                sa.update(claims)
+                .where(claims.c.task_id == task_id, claims.c.epoch == row.epoch)
+                .values(state=OPEN, epoch=claims.c.epoch + 1, holder=scanner,
+                        token=self.dialect.new_token(), lease_until=now + publish_ttl,
+                        max_attempts=sa.func.max(claims.c.max_attempts, claims.c.attempts + 1)
+                        if not self.dialect.is_postgres
+                        else sa.func.greatest(claims.c.max_attempts, claims.c.attempts + 1),
+                        finished_at=None, outcome=None, error=None)
+                .returning(claims.c.epoch, claims.c.token)).one()
+            self._audit(conn, task_id, "retry", None, who, note)
+        return self._recovered(row, OPEN, int(got.epoch), got.token)
+
+    def review_resolve(self, task_id: str, outcome: str, who: str, note: str | None) -> None:
+        if outcome not in (SUCCEEDED, FAILED):
+            raise InvalidConfig(f"--outcome must be succeeded or failed, got {outcome!r}")
+        with translated("review_resolve"), self.engine.begin() as conn:
+            done = conn.execute(
+                sa.update(claims).where(claims.c.task_id == task_id,
+                                        claims.c.state == NEEDS_REVIEW)
+                .values(state=outcome, outcome=outcome, finished_at=self._now,
+                        error=f"resolved by {who}" + (f": {note}" if note else ""))).rowcount
+            if not done:
+                raise NotFound(f"no needs-review task {task_id}")
+            self._audit(conn, task_id, "resolve", outcome, who, note)
 
 
 def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True) -> SqlStore:

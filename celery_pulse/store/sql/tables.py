@@ -69,3 +69,17 @@ evidence = sa.Table(
     sa.Column("error", sa.Text),
     sa.Column("recorded_at", sa.Float(precision=53), nullable=False),
 )
+
+#: Human decisions on needs-review tasks (who decided what, when): the audit trail.
+reviews = sa.Table(
+    "pulse_reviews",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+              autoincrement=True),
+    sa.Column("task_id", sa.String(255), nullable=False, index=True),
+    sa.Column("action", sa.String(16), nullable=False),
+    sa.Column("outcome", sa.String(32)),
+    sa.Column("note", sa.Text),
+    sa.Column("decided_by", sa.String(255), nullable=False),
+    sa.Column("decided_at", sa.Float(precision=53), nullable=False),
+)
