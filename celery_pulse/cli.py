@@ -106,6 +106,16 @@ def workers(ctx: click.Context, as_json: bool) -> None:
         _print_workers(rows)
 
 
+def _leader_payload(store: SqlStore) -> dict[str, Any] | None:
+    from celery_pulse.bootsteps.runtime import BEAT_KEY
+
+    info = store.get_leader(BEAT_KEY)
+    if info is None:
+        return None
+    return {"holder": info.holder, "epoch": info.epoch, "alive": info.alive,
+            "lease_remaining": round(info.lease_remaining, 3), "acquired_at": info.acquired_at}
+
+
 def _claim_payload(c: Any) -> dict[str, Any]:
     return {"task_id": c.task_id, "task": c.task_name, "state": c.state, "holder": c.holder,
             "epoch": c.epoch, "attempts": c.attempts, "max_attempts": c.max_attempts,
@@ -203,6 +213,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         payload = {"store": store.url, "store_now": store.now(), "workers": rows,
                    "workers_alive": sum(r["alive"] for r in rows),
                    "workers_dead": sum(not r["alive"] for r in rows),
+                   "leader": _leader_payload(store),
                    "claims": {k: counts.get(k, 0) for k in
                               ("reserved", "running", "open", "expired", "succeeded", "failed",
                                "needs_review")}}
@@ -214,6 +225,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"store: {payload['store']}")
         click.echo(f"workers: {payload['workers_alive']} alive, {payload['workers_dead']} dead")
         _print_workers(rows)
+        leader = payload["leader"]
+        click.echo("leader: none" if leader is None or not leader["alive"] else
+                   f"leader: {leader['holder']} (epoch {leader['epoch']}, lease "
+                   f"{_fmt_seconds(leader['lease_remaining'])})")
         click.echo(f"claims: {c['running']} running, {c['reserved']} reserved, {c['open']} "
                    f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
                    f"succeeded, {c['failed']} failed")
@@ -221,6 +236,142 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo(click.style(review_line, fg="red") if needs_human else review_line)
     if needs_human:
         ctx.exit(1)
+
+
+@pulse.command("beat")
+@click.option("--name", default=None, help="Holder id (default beat@HOST:PID).")
+@click.pass_context
+def beat_command(ctx: click.Context, name: str | None) -> None:
+    """Run the leader-elected beat as its own process (any number of replicas)."""
+    import logging
+    import os
+    import signal
+    import threading
+
+    from celery_pulse.beat import Beat
+    from celery_pulse.bootsteps.runtime import BEAT_KEY
+    from celery_pulse.bootsteps.schedules import EntrySource, publisher
+    from celery_pulse.leader import LeaderElector
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s] %(message)s")
+    app = ctx.obj.app
+    settings = _settings(ctx)
+    holder = name or f"beat@{socket.gethostname()}:{os.getpid()}"
+    with _store(ctx) as store:
+        elector = LeaderElector(store, BEAT_KEY, holder, ttl=settings.leader_ttl,
+                                interval=settings.leader_interval,
+                                margin=settings.safety_margin)
+        beat = Beat(store, elector, entries=EntrySource(app, store), publish=publisher(app),
+                    catchup=settings.beat_catchup)
+        elector.on_gained = beat.on_gained
+        done = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
+        click.echo(f"pulse beat {holder}: campaigning for leadership (ttl "
+                   f"{settings.leader_ttl:g}s)")
+        beat.start()
+        elector.start()
+        done.wait()
+        beat.stop()
+        elector.stop()
+
+
+@pulse.group()
+def schedule() -> None:
+    """Dynamic schedule entries stored in SQL, beside the static beat_schedule."""
+
+
+@schedule.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def schedule_list(ctx: click.Context, as_json: bool) -> None:
+    """Static (beat_schedule) and dynamic entries, with last_run_at."""
+    app = ctx.obj.app
+    with _store(ctx) as store:
+        last = store.last_run()
+        rows = [{"name": n, "task": spec["task"], "source": "static",
+                 "schedule": str(spec["schedule"]), "enabled": True, "last_run_at": last.get(n)}
+                for n, spec in (app.conf.beat_schedule or {}).items()]
+        rows += [{"name": r.name, "task": r.task, "source": "dynamic",
+                  "schedule": f"{r.kind} {r.spec}", "enabled": r.enabled,
+                  "last_run_at": last.get(r.name)} for r in store.list_schedule()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    for r in rows:
+        click.echo(f"{r['name']:<24} {r['source']:<8} {'on ' if r['enabled'] else 'off'} "
+                   f"{r['task']:<32} {r['schedule']}")
+
+
+@schedule.command("add")
+@click.argument("name")
+@click.option("--task", required=True, help="Task name.")
+@click.option("--every", type=float, default=None, help="Interval in seconds.")
+@click.option("--crontab", "cron", default=None,
+              help='JSON of crontab fields, e.g. \'{"minute": "*/5"}\'.')
+@click.option("--args", "args_json", default="[]", help="JSON list.")
+@click.option("--kwargs", "kwargs_json", default="{}", help="JSON object.")
+@click.option("--options", "options_json", default="{}", help="JSON object (apply_async options).")
+@click.pass_context
+def schedule_add(ctx: click.Context, name: str, task: str, every: float | None,
+                 cron: str | None, args_json: str, kwargs_json: str, options_json: str) -> None:
+    """Add or replace a dynamic entry (validated before it is stored)."""
+    from celery_pulse.bootsteps.schedules import schedule_from_row
+    from celery_pulse.store.base import ScheduleRow
+
+    if (every is None) == (cron is None):
+        raise click.UsageError("give exactly one of --every SECONDS or --crontab JSON")
+    try:
+        kind, spec = ("interval", {"every": every}) if every is not None else (
+            "crontab", json.loads(cron or "{}"))
+        args, kwargs, options = (json.loads(args_json), json.loads(kwargs_json),
+                                 json.loads(options_json))
+        if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(
+                options, dict):
+            raise ValueError("--args must be a JSON list; --kwargs/--options JSON objects")
+        schedule_from_row(kind, spec)
+    except (ValueError, TypeError, KeyError, PulseError) as exc:
+        raise click.ClickException(f"invalid schedule entry {name!r}: {exc}") from None
+    with _store(ctx) as store:
+        store.put_schedule(ScheduleRow(name, task, kind, json.dumps(spec), json.dumps(args),
+                                       json.dumps(kwargs), json.dumps(options), True, 0.0))
+    click.echo(f"schedule entry {name!r} saved")
+
+
+def _schedule_toggle(ctx: click.Context, name: str, action: str) -> None:
+    with _store(ctx) as store:
+        if action == "remove":
+            ok = store.remove_schedule(name)
+        else:
+            ok = store.set_schedule_enabled(name, action == "resume")
+    if not ok:
+        raise click.ClickException(f"no dynamic schedule entry {name!r}")
+    click.echo(f"schedule entry {name!r}: {action}d" if action != "pause" else
+               f"schedule entry {name!r}: paused")
+
+
+@schedule.command("remove")
+@click.argument("name")
+@click.pass_context
+def schedule_remove(ctx: click.Context, name: str) -> None:
+    """Delete a dynamic entry."""
+    _schedule_toggle(ctx, name, "remove")
+
+
+@schedule.command("pause")
+@click.argument("name")
+@click.pass_context
+def schedule_pause(ctx: click.Context, name: str) -> None:
+    """Stop firing a dynamic entry (kept)."""
+    _schedule_toggle(ctx, name, "pause")
+
+
+@schedule.command("resume")
+@click.argument("name")
+@click.pass_context
+def schedule_resume(ctx: click.Context, name: str) -> None:
+    """Fire a paused dynamic entry again."""
+    _schedule_toggle(ctx, name, "resume")
 
 
 def main() -> None:  # pragma: no cover - convenience for `python -m celery_pulse.cli`

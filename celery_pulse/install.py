@@ -31,6 +31,22 @@ def register_pool_alias() -> None:
             choice.choices = (*tuple(choices), POOL_ALIAS)  # type: ignore[union-attr]
 
 
+def _warn_on_celery_beat(app: Any) -> None:
+    """Celery's own beat next to pulse's doubles every slot: say so (not a crash)."""
+    from celery.signals import beat_init
+
+    def warn(sender: Any = None, **_kwargs: Any) -> None:
+        if getattr(sender, "app", app) is app and app.conf.get("pulse_beat", True):
+            import logging
+
+            logging.getLogger("celery_pulse").warning(
+                "pulse: `celery beat` is starting while pulse's leader-elected beat is on "
+                "(pulse_beat=True): every slot may fire twice. Use `celery pulse beat` "
+                "instead, or set pulse_beat = False.")
+
+    beat_init.connect(warn, weak=False, dispatch_uid=f"celery-pulse-beat-warning-{id(app)}")
+
+
 def install(app: Any) -> Any:
     """Add the pulse bootsteps to ``app`` and the ``pulse`` pool name. Idempotent.
 
@@ -41,6 +57,7 @@ def install(app: Any) -> Any:
     from celery_pulse.bootsteps.runtime import Runtime
 
     register_pool_alias()
+    _warn_on_celery_beat(app)
     app.Task.Strategy = "celery_pulse.strategy:factory"
     app.steps["worker"].add(Runtime)
     app.steps["consumer"].add(Registry)

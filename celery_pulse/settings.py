@@ -70,6 +70,10 @@ class Settings:
                                        "1 day"))
     beat: bool = dataclasses.field(
         default=True, metadata=_doc("Run the leader-elected beat inside -P pulse workers.", "on"))
+    beat_catchup: str = dataclasses.field(
+        default="latest", metadata=_doc("After an outage: fire the most recent missed slot once "
+                                        "('latest', like celery beat) or every one ('all').",
+                                        "latest"))
     leader_ttl: float = dataclasses.field(
         default=15.0, metadata=_doc("Leadership lease TTL.", "15 s"))
     leader_interval: float = dataclasses.field(
@@ -117,6 +121,9 @@ class Settings:
         for name in ("recover_batch", "max_attempts"):
             if getattr(self, name) < 1:
                 raise InvalidConfig(f"pulse_{name} must be >= 1", setting=f"pulse_{name}")
+        if self.beat_catchup not in ("latest", "all"):
+            raise InvalidConfig(f"pulse_beat_catchup must be 'latest' or 'all', got "
+                                f"{self.beat_catchup!r}", setting="pulse_beat_catchup")
         if self.on_lost is not None and self.on_lost not in ON_LOST_POLICIES:
             raise InvalidConfig(f"pulse_on_lost must be one of {ON_LOST_POLICIES}, "
                                 f"got {self.on_lost!r}", setting="pulse_on_lost")

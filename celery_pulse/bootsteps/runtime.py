@@ -19,22 +19,26 @@ from typing import Any
 from celery import bootsteps
 from kombu.utils.imports import symbol_by_name
 
+from celery_pulse.beat import Beat
 from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.intake import Intake
 from celery_pulse.bootsteps.loop import LoopCaller
 from celery_pulse.bootsteps.publish import republish
+from celery_pulse.bootsteps.schedules import EntrySource, publisher
 from celery_pulse.errors import PulseError
+from celery_pulse.leader import LeaderElector
 from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.recover import Recoverer
 from celery_pulse.settings import Settings
-from celery_pulse.store.base import FAILED, NEEDS_REVIEW, Recovered
+from celery_pulse.store.base import FAILED, NEEDS_REVIEW, LeaderGrant, Recovered
 from celery_pulse.store.sql import open_store
 
 logger = logging.getLogger(__name__)
 
 EXIT_CONFIG = 78
+BEAT_KEY = "beat"
 EXIT_IDENTITY_LOST = 3
 
 
@@ -83,11 +87,20 @@ class PulseWorker:
                                   listener=self)
         child.configure(child.ChildContext(app, settings.store_url, hostname,
                                            settings.lease_ttl, self.table))
+        self.elector: LeaderElector | None = None
+        self.beat: Beat | None = None
+        if settings.beat:
+            self.elector = LeaderElector(
+                store, BEAT_KEY, hostname, ttl=settings.leader_ttl,
+                interval=settings.leader_interval, margin=settings.safety_margin,
+                on_gained=self._on_gained, on_lost=self._on_lost_leadership)
+            self.beat = Beat(store, self.elector, entries=EntrySource(app, store),
+                             publish=publisher(app), catchup=settings.beat_catchup)
         self.recoverer = Recoverer(
             store, hostname, interval=settings.recover_interval, batch=settings.recover_batch,
             publish_ttl=max(5.0, settings.lease_ttl), retention=settings.retention,
             publish=lambda item: republish(app, item), listener=self,
-            purge=store.purge_finished)
+            purge=self._purge)
 
     # -- binding to the consumer ------------------------------------------------
     def bind(self, consumer: Any) -> None:
@@ -106,6 +119,24 @@ class PulseWorker:
     def start_leases(self) -> None:
         self.keeper.start()
         self.recoverer.start()
+        if self.elector is not None and self.beat is not None:
+            self.beat.start()
+            self.elector.start()
+
+    def _purge(self, older_than: float) -> int:
+        """Retention is the leader's job (any worker when beat is off)."""
+        if self.elector is not None and not self.elector.is_leader:
+            return 0
+        purged: int = self.store.purge_finished(older_than)
+        return purged
+
+    def _on_gained(self, grant: LeaderGrant) -> None:
+        if self.beat is not None:
+            self.beat.on_gained(grant)
+        self.emit("pulse-leader-gained", key=grant.key, epoch=grant.epoch)
+
+    def _on_lost_leadership(self, grant: LeaderGrant) -> None:
+        self.emit("pulse-leader-lost", key=grant.key, epoch=grant.epoch)
 
     def shutdown(self) -> None:
         """Called after in-flight tasks have finished (pool stopped): flush and deregister."""
@@ -113,6 +144,10 @@ class PulseWorker:
             return
         self._shut = True
         self.stopping = True
+        if self.beat is not None:
+            self.beat.stop()
+        if self.elector is not None:
+            self.elector.stop()  # releases: the next leader ticks within one interval
         self.recoverer.stop()
         self.keeper.stop()
         if self.membership is not None:
@@ -226,6 +261,10 @@ class PulseWorker:
                        "renewals": counters.renewals, "renew_failures": counters.renew_failures,
                        "store_errors": counters.store_errors},
             "recover": dict(self.recoverer.counts),
+            "leader": None if self.elector is None else {
+                "key": BEAT_KEY, "is_leader": self.elector.is_leader,
+                "epoch": self.elector.epoch, "since": self.elector.since,
+                "slots_fired": self.beat.fired if self.beat else 0},
         }
 
 
@@ -246,6 +285,10 @@ class Runtime(bootsteps.StartStopStep):
             # Logging may not be set up yet: one plain line on stderr, no traceback.
             print(f"celery-pulse: cannot start: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_CONFIG) from None
+        if getattr(w, "beat", None) and settings.beat:
+            logger.warning("pulse: this worker also runs Celery's own beat (-B) while "
+                           "pulse_beat is on: every slot may fire twice. Drop -B; pulse's "
+                           "leader-elected beat already runs in every -P pulse worker.")
         w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store)
         return self
 

@@ -335,5 +335,109 @@ class RecoverStore(abc.ABC):
         """Close a needs-review task as ``succeeded`` or ``failed`` (recorded for audit)."""
 
 
-class Store(RegistryStore, ClaimStore, RecoverStore):
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaderGrant:
+    key: str
+    holder: str
+    token: str
+    epoch: int
+    lease_until: float
+
+    def __repr__(self) -> str:
+        return (f"LeaderGrant(key={self.key!r}, holder={self.holder!r}, epoch={self.epoch}, "
+                f"token={mask_token(self.token)!r})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    key: str
+    holder: str
+    epoch: int
+    alive: bool
+    lease_remaining: float
+    acquired_at: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    """A periodic slot recorded by a leader: ``payload`` is the JSON publish spec."""
+
+    entry: str
+    due_at: float
+    task_id: str
+    task: str
+    payload: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduleRow:
+    name: str
+    task: str
+    kind: str
+    spec: str
+    args: str
+    kwargs: str
+    options: str
+    enabled: bool
+    updated_at: float
+
+
+class LeaderStore(abc.ABC):
+    """Leader election (seed 001 ``LeaseStore``)."""
+
+    @abc.abstractmethod
+    def try_acquire(self, key: str, holder: str, ttl: float, token: str | None = None
+                    ) -> LeaderGrant | None:
+        """One atomic conditional upsert judged by the store clock.
+
+        Succeeds when the key is free, its lease expired, or ``token`` is the current
+        token (a renewal: same token and epoch, lease extended). A new term gets a new
+        token and ``epoch + 1``. Returns None when someone else holds a live lease.
+        """
+
+    @abc.abstractmethod
+    def release_leader(self, key: str, token: str) -> bool:
+        """End the lease now, only if ``token`` is current."""
+
+    @abc.abstractmethod
+    def get_leader(self, key: str) -> LeaderInfo | None: ...
+
+
+class BeatStore(abc.ABC):
+    """Exactly-once periodic slots and the dynamic schedule."""
+
+    @abc.abstractmethod
+    def last_run(self) -> dict[str, float]:
+        """``last_run_at`` (the due time of the latest slot) per entry."""
+
+    @abc.abstractmethod
+    def init_last_run(self, entry: str, at: float) -> float:
+        """Set ``last_run_at`` if the entry has none; returns the stored value."""
+
+    @abc.abstractmethod
+    def fire_slot(self, key: str, token: str, epoch: int, slot: Slot) -> bool:
+        """Insert the slot and advance ``last_run_at``, only while ``(token, epoch)``
+        is the live leader term by the store clock. False if the slot existed already
+        or the term is over."""
+
+    @abc.abstractmethod
+    def mark_slot_published(self, entry: str, due_at: float) -> None: ...
+
+    @abc.abstractmethod
+    def unpublished_slots(self, limit: int = 100) -> list[Slot]: ...
+
+    @abc.abstractmethod
+    def list_schedule(self) -> list[ScheduleRow]: ...
+
+    @abc.abstractmethod
+    def put_schedule(self, row: ScheduleRow) -> None: ...
+
+    @abc.abstractmethod
+    def remove_schedule(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    def set_schedule_enabled(self, name: str, enabled: bool) -> bool: ...
+
+
+class Store(RegistryStore, ClaimStore, RecoverStore, LeaderStore, BeatStore):
     """The whole contract (the SQL store implements it)."""

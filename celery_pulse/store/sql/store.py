@@ -35,12 +35,16 @@ from celery_pulse.store.base import (
     Completion,
     Grant,
     Heartbeat,
+    LeaderGrant,
+    LeaderInfo,
     Message,
     Recovered,
     Refusal,
     Registration,
     ReserveRequest,
     ReviewItem,
+    ScheduleRow,
+    Slot,
     Store,
     WorkerInfo,
 )
@@ -48,7 +52,16 @@ from celery_pulse.store.sql import migrate
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import make_engine
 from celery_pulse.store.sql.errors import translated
-from celery_pulse.store.sql.tables import claims, evidence, reviews, workers
+from celery_pulse.store.sql.tables import (
+    beat_slots,
+    beat_state,
+    claims,
+    evidence,
+    leaders,
+    reviews,
+    schedule,
+    workers,
+)
 
 _OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, RETRY: OPEN}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
@@ -500,6 +513,127 @@ class SqlStore(Store):
             if not done:
                 raise NotFound(f"no needs-review task {task_id}")
             self._audit(conn, task_id, "resolve", outcome, who, note)
+
+    # -- leader election ------------------------------------------------------------------
+    def try_acquire(self, key: str, holder: str, ttl: float, token: str | None = None
+                    ) -> LeaderGrant | None:
+        now = self._now
+        stmt = self.dialect.insert(leaders).values(
+            key=key, holder=holder, token=self.dialect.new_token(), epoch=1,
+            lease_until=now + ttl, acquired_at=now)
+        ex = stmt.excluded
+        renewal: Any = (leaders.c.token == token) if token else sa.false()
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[leaders.c.key],
+            set_=dict(holder=ex.holder,
+                      token=sa.case((renewal, leaders.c.token), else_=ex.token),
+                      epoch=sa.case((renewal, leaders.c.epoch), else_=leaders.c.epoch + 1),
+                      lease_until=ex.lease_until,
+                      acquired_at=sa.case((renewal, leaders.c.acquired_at),
+                                          else_=ex.acquired_at)),
+            where=sa.or_(leaders.c.lease_until <= now, renewal),
+        ).returning(leaders.c.holder, leaders.c.token, leaders.c.epoch, leaders.c.lease_until)
+        with translated("try_acquire"), self.engine.begin() as conn:
+            row = conn.execute(stmt).one_or_none()
+        if row is None:
+            return None
+        return LeaderGrant(key, row.holder, row.token, int(row.epoch), float(row.lease_until))
+
+    def release_leader(self, key: str, token: str) -> bool:
+        stmt = (sa.update(leaders).where(leaders.c.key == key, leaders.c.token == token)
+                .values(lease_until=self._now))
+        with translated("release_leader"), self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount > 0
+
+    def get_leader(self, key: str) -> LeaderInfo | None:
+        now = sa.select(self._now).scalar_subquery()
+        stmt = sa.select(leaders, (leaders.c.lease_until - now).label("remaining")).where(
+            leaders.c.key == key)
+        with translated("get_leader"), self.engine.connect() as conn:
+            r = conn.execute(stmt).one_or_none()
+        if r is None:
+            return None
+        return LeaderInfo(key, r.holder, int(r.epoch), r.remaining > 0, float(r.remaining),
+                          float(r.acquired_at))
+
+    # -- beat ----------------------------------------------------------------------------
+    def last_run(self) -> dict[str, float]:
+        with translated("last_run"), self.engine.connect() as conn:
+            return {r.entry: float(r.last_run_at) for r in conn.execute(sa.select(beat_state))}
+
+    def init_last_run(self, entry: str, at: float) -> float:
+        stmt = self.dialect.insert(beat_state).values(entry=entry, last_run_at=at)
+        stmt = stmt.on_conflict_do_nothing(index_elements=[beat_state.c.entry])
+        with translated("init_last_run"), self.engine.begin() as conn:
+            conn.execute(stmt)
+            return float(conn.execute(sa.select(beat_state.c.last_run_at).where(
+                beat_state.c.entry == entry)).scalar_one())
+
+    def fire_slot(self, key: str, token: str, epoch: int, slot: Slot) -> bool:
+        now = self._now
+        term = (sa.select(leaders.c.key)
+                .where(leaders.c.key == key, leaders.c.token == token, leaders.c.epoch == epoch,
+                       leaders.c.lease_until > now))
+        if self.dialect.is_postgres:
+            term = term.with_for_update()  # a takeover waits until this slot is decided
+        insert_slot = self.dialect.insert(beat_slots).values(
+            entry=slot.entry, due_at=slot.due_at, task_id=slot.task_id, task=slot.task,
+            payload=slot.payload, leader_epoch=epoch, created_at=now,
+        ).on_conflict_do_nothing(index_elements=[beat_slots.c.entry, beat_slots.c.due_at]
+                                 ).returning(beat_slots.c.entry)
+        state = self.dialect.insert(beat_state).values(entry=slot.entry, last_run_at=slot.due_at)
+        state = state.on_conflict_do_update(
+            index_elements=[beat_state.c.entry],
+            set_={"last_run_at": sa.case(
+                (beat_state.c.last_run_at < state.excluded.last_run_at,
+                 state.excluded.last_run_at), else_=beat_state.c.last_run_at)})
+        with translated("fire_slot"), self.engine.begin() as conn:
+            if conn.execute(term).first() is None:
+                return False
+            inserted = conn.execute(insert_slot).first() is not None
+            conn.execute(state)
+        return inserted
+
+    def mark_slot_published(self, entry: str, due_at: float) -> None:
+        stmt = (sa.update(beat_slots)
+                .where(beat_slots.c.entry == entry, beat_slots.c.due_at == due_at)
+                .values(published_at=self._now))
+        with translated("mark_slot_published"), self.engine.begin() as conn:
+            conn.execute(stmt)
+
+    def unpublished_slots(self, limit: int = 100) -> list[Slot]:
+        stmt = (sa.select(beat_slots).where(beat_slots.c.published_at.is_(None))
+                .order_by(beat_slots.c.due_at).limit(limit))
+        with translated("unpublished_slots"), self.engine.connect() as conn:
+            return [Slot(r.entry, float(r.due_at), r.task_id, r.task, r.payload)
+                    for r in conn.execute(stmt)]
+
+    def list_schedule(self) -> list[ScheduleRow]:
+        with translated("list_schedule"), self.engine.connect() as conn:
+            return [ScheduleRow(r.name, r.task, r.kind, r.spec, r.args, r.kwargs, r.options,
+                                bool(r.enabled), float(r.updated_at))
+                    for r in conn.execute(sa.select(schedule).order_by(schedule.c.name))]
+
+    def put_schedule(self, row: ScheduleRow) -> None:
+        values = dict(name=row.name, task=row.task, kind=row.kind, spec=row.spec, args=row.args,
+                      kwargs=row.kwargs, options=row.options, enabled=row.enabled,
+                      updated_at=self._now)
+        stmt = self.dialect.insert(schedule).values(**values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[schedule.c.name],
+            set_={k: stmt.excluded[k] for k in values if k != "name"})
+        with translated("put_schedule"), self.engine.begin() as conn:
+            conn.execute(stmt)
+
+    def remove_schedule(self, name: str) -> bool:
+        with translated("remove_schedule"), self.engine.begin() as conn:
+            return conn.execute(sa.delete(schedule).where(schedule.c.name == name)).rowcount > 0
+
+    def set_schedule_enabled(self, name: str, enabled: bool) -> bool:
+        stmt = (sa.update(schedule).where(schedule.c.name == name)
+                .values(enabled=enabled, updated_at=self._now))
+        with translated("set_schedule_enabled"), self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount > 0
 
 
 def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True) -> SqlStore:

@@ -83,3 +83,54 @@ reviews = sa.Table(
     sa.Column("decided_by", sa.String(255), nullable=False),
     sa.Column("decided_at", sa.Float(precision=53), nullable=False),
 )
+
+#: One row per election key: the current term (epoch) and its holder's lease.
+leaders = sa.Table(
+    "pulse_leaders",
+    metadata,
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("holder", sa.String(255), nullable=False),
+    sa.Column("token", sa.String(64), nullable=False),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("lease_until", sa.Float(precision=53), nullable=False),
+    sa.Column("acquired_at", sa.Float(precision=53), nullable=False),
+)
+
+#: Each periodic slot ``(entry, due_at)`` exists once: inserted only by the current
+#: leader (fenced by its epoch), published with a task id derived from the slot.
+beat_slots = sa.Table(
+    "pulse_beat_slots",
+    metadata,
+    sa.Column("entry", sa.String(255), primary_key=True),
+    sa.Column("due_at", sa.Float(precision=53), primary_key=True),
+    sa.Column("task_id", sa.String(255), nullable=False),
+    sa.Column("task", sa.String(255), nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("leader_epoch", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.Float(precision=53), nullable=False),
+    sa.Column("published_at", sa.Float(precision=53)),
+    sa.Index("ix_pulse_beat_slots_unpublished", "published_at"),
+)
+
+#: ``last_run_at`` per entry (the due time of its latest slot): survives restarts.
+beat_state = sa.Table(
+    "pulse_beat_state",
+    metadata,
+    sa.Column("entry", sa.String(255), primary_key=True),
+    sa.Column("last_run_at", sa.Float(precision=53), nullable=False),
+)
+
+#: Dynamic schedule entries (``celery pulse schedule add``), beside ``beat_schedule``.
+schedule = sa.Table(
+    "pulse_schedule",
+    metadata,
+    sa.Column("name", sa.String(255), primary_key=True),
+    sa.Column("task", sa.String(255), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("args", sa.Text, nullable=False),
+    sa.Column("kwargs", sa.Text, nullable=False),
+    sa.Column("options", sa.Text, nullable=False),
+    sa.Column("enabled", sa.Boolean, nullable=False),
+    sa.Column("updated_at", sa.Float(precision=53), nullable=False),
+)
