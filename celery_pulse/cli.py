@@ -202,40 +202,114 @@ def review_resolve(ctx: click.Context, task_id: str, outcome: str, note: str | N
     click.echo(f"{task_id} resolved as {outcome}")
 
 
+def _status_payload(ctx: click.Context, store: SqlStore) -> dict[str, Any]:
+    rows = _workers_payload(store)
+    counts = store.claim_counts()
+    leader = _leader_payload(store)
+    has_schedule = bool(ctx.obj.app.conf.beat_schedule) or any(
+        r.enabled for r in store.list_schedule())
+    claims = {k: counts.get(k, 0) for k in
+              ("reserved", "running", "open", "expired", "succeeded", "failed", "needs_review")}
+    problems = []
+    if claims["needs_review"]:
+        problems.append(f"{claims['needs_review']} task(s) need review: celery pulse review")
+    if has_schedule and (leader is None or not leader["alive"]):
+        problems.append("a schedule exists but no beat leader is alive")
+    return {"store": store.url, "store_now": store.now(), "workers": rows,
+            "workers_alive": sum(r["alive"] for r in rows),
+            "workers_dead": sum(not r["alive"] for r in rows),
+            "leader": leader, "schedule": has_schedule, "claims": claims,
+            "needs_attention": problems}
+
+
+def _print_status(payload: dict[str, Any]) -> None:
+    c = payload["claims"]
+    click.echo(click.style("celery-pulse", bold=True) + f"  store {payload['store']}")
+    click.echo(f"workers: {payload['workers_alive']} alive, {payload['workers_dead']} dead")
+    _print_workers(payload["workers"])
+    leader = payload["leader"]
+    if leader is None or not leader["alive"]:
+        line = "leader: none"
+        click.echo(click.style(line, fg="yellow") if payload["schedule"] else line)
+    else:
+        click.echo(f"leader: {leader['holder']} (epoch {leader['epoch']}, lease "
+                   f"{_fmt_seconds(leader['lease_remaining'])})")
+    click.echo(f"claims: {c['running']} running, {c['reserved']} reserved, {c['open']} "
+               f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
+               f"succeeded, {c['failed']} failed")
+    review_line = f"needs review: {c['needs_review']}"
+    click.echo(click.style(review_line, fg="red") if c["needs_review"] else review_line)
+    for problem in payload["needs_attention"]:
+        click.echo(click.style(f"! {problem}", fg="red"))
+
+
 @pulse.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True)
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
-    """The cluster at a glance (exit 1 when something needs a human)."""
+def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> None:
+    """The cluster at a glance. Exit 1 when something needs a human (health checks)."""
+    import time
+
     with _store(ctx) as store:
-        rows = _workers_payload(store)
-        counts = store.claim_counts()
-        payload = {"store": store.url, "store_now": store.now(), "workers": rows,
-                   "workers_alive": sum(r["alive"] for r in rows),
-                   "workers_dead": sum(not r["alive"] for r in rows),
-                   "leader": _leader_payload(store),
-                   "claims": {k: counts.get(k, 0) for k in
-                              ("reserved", "running", "open", "expired", "succeeded", "failed",
-                               "needs_review")}}
-    needs_human = payload["claims"]["needs_review"] > 0
-    if as_json:
-        click.echo(json.dumps(payload, indent=2, sort_keys=True))
-    else:
-        c = payload["claims"]
-        click.echo(f"store: {payload['store']}")
-        click.echo(f"workers: {payload['workers_alive']} alive, {payload['workers_dead']} dead")
-        _print_workers(rows)
-        leader = payload["leader"]
-        click.echo("leader: none" if leader is None or not leader["alive"] else
-                   f"leader: {leader['holder']} (epoch {leader['epoch']}, lease "
-                   f"{_fmt_seconds(leader['lease_remaining'])})")
-        click.echo(f"claims: {c['running']} running, {c['reserved']} reserved, {c['open']} "
-                   f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
-                   f"succeeded, {c['failed']} failed")
-        review_line = f"needs review: {c['needs_review']}"
-        click.echo(click.style(review_line, fg="red") if needs_human else review_line)
-    if needs_human:
+        while True:
+            payload = _status_payload(ctx, store)
+            if as_json:
+                click.echo(json.dumps(payload, indent=2, sort_keys=True))
+            else:
+                if watch:
+                    click.clear()
+                _print_status(payload)
+            if not watch:
+                break
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                break
+    if payload["needs_attention"]:
         ctx.exit(1)
+
+
+@pulse.command()
+@click.argument("worker")
+@click.option("--wait", is_flag=True, help="Block until the worker has exited.")
+@click.option("--timeout", default=3600.0, show_default=True, help="With --wait: give up after.")
+@click.pass_context
+def drain(ctx: click.Context, worker: str, wait: bool, timeout: float) -> None:
+    """Persistent drain: WORKER stops taking tasks, finishes its own, exits 0.
+
+    The flag outlives restarts of that name until `pulse undrain WORKER`.
+    """
+    import time
+
+    with _store(ctx) as store:
+        store.set_drain(worker, True, _who())
+        click.echo(f"{worker}: drain requested (seen at its next heartbeat)")
+        if not wait:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            row = next((w for w in store.list_workers() if w.worker_id == worker), None)
+            if row is None or not row.alive:
+                click.echo(f"{worker}: gone")
+                return
+            running = sum(1 for c in store.list_claims(["running", "reserved"])
+                          if c.holder == worker)
+            click.echo(f"{worker}: draining, {running} task(s) still held", err=True)
+            if time.monotonic() > deadline:
+                raise click.ClickException(f"{worker} still running after {timeout:g}s")
+            time.sleep(1.0)
+
+
+@pulse.command()
+@click.argument("worker")
+@click.pass_context
+def undrain(ctx: click.Context, worker: str) -> None:
+    """Clear a persistent drain so WORKER may run again."""
+    with _store(ctx) as store:
+        store.set_drain(worker, False, _who())
+    click.echo(f"{worker}: drain cleared")
 
 
 @pulse.command("beat")

@@ -72,6 +72,9 @@ class Membership:
         self.state = self.ACTIVE
         logger.info("pulse: registered %s (token %s, ttl %gs)", self.worker_id,
                     mask_token(self.registration.token), self.ttl)
+        if self.registration.draining:
+            self.draining = True
+            self.listener.on_drain()
         if thread:
             self._thread = threading.Thread(target=self._run, name="pulse-registry",
                                             daemon=True)

@@ -85,6 +85,9 @@ class Settings:
         default=None, metadata=_doc("What Recover does with a started-then-lost task: "
                                     "'redispatch' or 'review'.",
                                     "redispatch if acks_late or pulse_idempotent, else review"))
+    metrics_port: int = dataclasses.field(
+        default=0, metadata=_doc("Serve Prometheus metrics on this port (needs prometheus_client); "
+                                 "0 = off.", "0 (off)"))
     store_connect_timeout: float = dataclasses.field(
         default=10.0, metadata=_doc("How long startup waits for an unreachable store.", "10 s"))
 
@@ -118,6 +121,9 @@ class Settings:
                 raise InvalidConfig(
                     f"pulse_{interval} ({getattr(self, interval)}s) must be shorter than "
                     f"pulse_{ttl} ({getattr(self, ttl)}s)", setting=f"pulse_{interval}")
+        if not 0 <= self.metrics_port < 65536:
+            raise InvalidConfig("pulse_metrics_port must be a TCP port (0 = off)",
+                                setting="pulse_metrics_port")
         for name in ("recover_batch", "max_attempts"):
             if getattr(self, name) < 1:
                 raise InvalidConfig(f"pulse_{name} must be >= 1", setting=f"pulse_{name}")

@@ -122,6 +122,10 @@ class PulseWorker:
         if self.elector is not None and self.beat is not None:
             self.beat.start()
             self.elector.start()
+        if self.settings.metrics_port:
+            from celery_pulse.bootsteps.metrics import serve
+
+            serve(self.settings.metrics_port, self.info)
 
     def _purge(self, older_than: float) -> int:
         """Retention is the leader's job (any worker when beat is off)."""

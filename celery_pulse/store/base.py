@@ -27,6 +27,7 @@ class Registration:
     worker_id: str
     token: str
     expires_at: float
+    draining: bool = False
 
     def __repr__(self) -> str:  # tokens are never shown in full
         return (f"Registration(worker_id={self.worker_id!r}, token={mask_token(self.token)!r}, "
@@ -106,6 +107,13 @@ class RegistryStore(abc.ABC):
     @abc.abstractmethod
     def list_workers(self) -> list[WorkerInfo]:
         """Every registration, with ``alive`` judged by the store clock, ordered by id."""
+
+    def set_drain(self, worker_id: str, draining: bool, who: str) -> None:
+        """Ask ``worker_id`` to drain (persistent across its restarts), or undo it.
+
+        The worker sees the flag in the answer to its next heartbeat (or register).
+        """
+        raise NotImplementedError
 
 
 # -- task claims (seed 000 taskboard, seed 003 LEASED -> RUNNING) --------------------

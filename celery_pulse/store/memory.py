@@ -34,6 +34,7 @@ class MemoryStore(RegistryStore):
         self._clock = clock
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
+        self._drains: set[str] = set()
         #: Set to True to simulate an outage: every call raises StoreUnavailable.
         self.down = False
 
@@ -57,9 +58,9 @@ class MemoryStore(RegistryStore):
                 raise NotRegistered(f"{worker_id}: another process registered this name",
                                     reason=NotRegistered.REPLACED)
             row = _Worker(secrets.token_hex(16), dict(labels), now, now, now + ttl,
-                          draining=old.draining if old else False)
+                          draining=worker_id in self._drains)
             self._workers[worker_id] = row
-            return Registration(worker_id, row.token, row.expires_at)
+            return Registration(worker_id, row.token, row.expires_at, row.draining)
 
     def heartbeat(self, worker_id: str, token: str, ttl: float) -> Heartbeat:
         with self._lock:
@@ -86,6 +87,17 @@ class MemoryStore(RegistryStore):
                 return False
             del self._workers[worker_id]
             return True
+
+    def set_drain(self, worker_id: str, draining: bool, who: str) -> None:
+        with self._lock:
+            self._check()
+            if draining:
+                self._drains.add(worker_id)
+            else:
+                self._drains.discard(worker_id)
+            row = self._workers.get(worker_id)
+            if row is not None:
+                row.draining = draining
 
     def list_workers(self) -> list[WorkerInfo]:
         with self._lock:

@@ -56,6 +56,7 @@ from celery_pulse.store.sql.tables import (
     beat_slots,
     beat_state,
     claims,
+    drains,
     evidence,
     leaders,
     reviews,
@@ -109,22 +110,35 @@ class SqlStore(Store):
     def register(self, worker_id: str, labels: Mapping[str, Any], ttl: float, *,
                  replace_live: bool = True) -> Registration:
         now = self._now
+        drained = sa.exists().where(drains.c.worker_id == worker_id)
         stmt = self.dialect.insert(workers).values(
             worker_id=worker_id, token=self.dialect.new_token(),
             labels=json.dumps(dict(labels), sort_keys=True, default=str),
-            registered_at=now, last_heartbeat=now, expires_at=now + ttl)
+            registered_at=now, last_heartbeat=now, expires_at=now + ttl, draining=drained)
         stmt = stmt.on_conflict_do_update(
             index_elements=[workers.c.worker_id],
             set_={c: stmt.excluded[c] for c in
-                  ("token", "labels", "registered_at", "last_heartbeat", "expires_at")},
+                  ("token", "labels", "registered_at", "last_heartbeat", "expires_at",
+                   "draining")},
             where=None if replace_live else workers.c.expires_at <= now,
-        ).returning(workers.c.token, workers.c.expires_at)
+        ).returning(workers.c.token, workers.c.expires_at, workers.c.draining)
         with translated("register"), self.engine.begin() as conn:
             row = conn.execute(stmt).one_or_none()
         if row is None:
             raise NotRegistered(f"{worker_id}: another process registered this name",
                                 reason=NotRegistered.REPLACED)
-        return Registration(worker_id, row.token, float(row.expires_at))
+        return Registration(worker_id, row.token, float(row.expires_at), bool(row.draining))
+
+    def set_drain(self, worker_id: str, draining: bool, who: str) -> None:
+        with translated("set_drain"), self.engine.begin() as conn:
+            if draining:
+                conn.execute(self.dialect.insert(drains).values(
+                    worker_id=worker_id, requested_by=who, requested_at=self._now
+                ).on_conflict_do_nothing(index_elements=[drains.c.worker_id]))
+            else:
+                conn.execute(sa.delete(drains).where(drains.c.worker_id == worker_id))
+            conn.execute(sa.update(workers).where(workers.c.worker_id == worker_id)
+                         .values(draining=draining))
 
     def heartbeat(self, worker_id: str, token: str, ttl: float) -> Heartbeat:
         now = self._now

@@ -134,3 +134,12 @@ schedule = sa.Table(
     sa.Column("enabled", sa.Boolean, nullable=False),
     sa.Column("updated_at", sa.Float(precision=53), nullable=False),
 )
+
+#: Persistent drain requests: a drained name stays drained across restarts until undrain.
+drains = sa.Table(
+    "pulse_drains",
+    metadata,
+    sa.Column("worker_id", sa.String(255), primary_key=True),
+    sa.Column("requested_by", sa.String(255), nullable=False),
+    sa.Column("requested_at", sa.Float(precision=53), nullable=False),
+)

@@ -1,0 +1,28 @@
+"""Persistent drain requests.
+
+Revision ID: 0005
+Revises: 0004
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "pulse_drains",
+        sa.Column("worker_id", sa.String(255), primary_key=True),
+        sa.Column("requested_by", sa.String(255), nullable=False),
+        sa.Column("requested_at", sa.Float(precision=53), nullable=False),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("pulse_drains")
