@@ -71,10 +71,13 @@ class Beat:
         self.fired = 0
         self._sweep = threading.Event()
         self._stop = threading.Event()
+        #: Cuts the thread's sleep short: set on gaining leadership and on stop.
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def on_gained(self, grant: LeaderGrant) -> None:
         self._sweep.set()
+        self._wake.set()  # tick now, not after up to max_sleep (handover <= one interval)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pulse-beat", daemon=True)
@@ -82,6 +85,7 @@ class Beat:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -94,7 +98,8 @@ class Beat:
                 logger.warning("pulse: beat tick failed: %s", exc)
             except Exception:
                 logger.exception("pulse: beat tick failed unexpectedly")
-            self._stop.wait(max(0.01, min(delay, self.max_sleep)))
+            self._wake.wait(max(0.01, min(delay, self.max_sleep)))
+            self._wake.clear()
 
     def tick(self) -> float:
         """Fire what is due; returns seconds until the next due slot (capped)."""

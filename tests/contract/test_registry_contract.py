@@ -13,13 +13,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
-import sqlalchemy as sa
 
 from celery_pulse.errors import NotRegistered
-from celery_pulse.store.base import RegistryStore as Store, WorkerInfo
+from celery_pulse.store.base import RegistryStore as Store
+from celery_pulse.store.base import WorkerInfo
 from celery_pulse.store.memory import MemoryStore
 from celery_pulse.store.sql import SqlStore, open_store
-from celery_pulse.store.sql.tables import workers
 
 WID = "worker-1@host"
 LABELS = {"queues": ["celery", "high"], "pid": 1234, "host": "host"}
@@ -49,15 +48,8 @@ def expired(store: Store, worker_id: str = WID) -> bool:
 
 
 def set_draining(store: Store, worker_id: str) -> None:
-    """Set the drain flag as an operator would (the contract has no setter yet)."""
-    if isinstance(store, MemoryStore):
-        store._workers[worker_id].draining = True
-        return
-    assert isinstance(store, SqlStore)
-    with store.engine.begin() as conn:
-        result = conn.execute(sa.update(workers).where(workers.c.worker_id == worker_id)
-                              .values(draining=True))
-        assert result.rowcount == 1
+    """Set the drain flag as an operator would (`celery pulse drain`)."""
+    store.set_drain(worker_id, True, "test")
 
 
 @contextlib.contextmanager
@@ -244,12 +236,15 @@ def test_drain_flag_survives_taking_back_an_expired_name(store: Store) -> None:
     assert store.heartbeat(WID, back.token, 30.0).draining is True
 
 
-def test_drain_flag_cleared_by_deregister(store: Store) -> None:
+def test_drain_is_persistent_across_restarts_until_undrain(store: Store) -> None:
     reg = store.register(WID, LABELS, 30.0)
     set_draining(store, WID)
     assert store.deregister(WID, reg.token)
-    fresh = store.register(WID, LABELS, 30.0)
-    assert store.heartbeat(WID, fresh.token, 30.0).draining is False
+    restarted = store.register(WID, LABELS, 30.0)
+    assert restarted.draining is True
+    store.set_drain(WID, False, "test")
+    assert store.heartbeat(WID, restarted.token, 30.0).draining is False
+    assert store.register(WID, LABELS, 30.0).draining is False
 
 
 # -- the store judges time, not the process ------------------------------------------------

@@ -80,6 +80,17 @@ class SqlStore(Store):
         self.engine = engine
         self.dialect = Dialect(engine.dialect.name)
         self._now = self.dialect.now()
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    def _single(self) -> Any:
+        """A connection for independent statements, each atomic on its own.
+
+        On PostgreSQL: autocommit, so one statement costs one round trip (no BEGIN or
+        COMMIT). On SQLite: a transaction (``BEGIN IMMEDIATE`` takes the write lock).
+        """
+        if self.dialect.is_postgres:
+            return self._autocommit.connect()
+        return self.engine.begin()
 
     @property
     def url(self) -> str:
@@ -122,7 +133,7 @@ class SqlStore(Store):
                    "draining")},
             where=None if replace_live else workers.c.expires_at <= now,
         ).returning(workers.c.token, workers.c.expires_at, workers.c.draining)
-        with translated("register"), self.engine.begin() as conn:
+        with translated("register"), self._single() as conn:
             row = conn.execute(stmt).one_or_none()
         if row is None:
             raise NotRegistered(f"{worker_id}: another process registered this name",
@@ -147,7 +158,7 @@ class SqlStore(Store):
                        workers.c.expires_at > now)
                 .values(expires_at=now + ttl, last_heartbeat=now)
                 .returning(workers.c.expires_at, workers.c.draining))
-        with translated("heartbeat"), self.engine.begin() as conn:
+        with translated("heartbeat"), self._single() as conn:
             row = conn.execute(stmt).one_or_none()
             if row is not None:
                 return Heartbeat(float(row.expires_at), bool(row.draining))
@@ -222,7 +233,7 @@ class SqlStore(Store):
         ).returning(claims.c.task_id, claims.c.epoch, claims.c.token, claims.c.lease_until,
                     claims.c.attempts)
         results: dict[str, Grant | Refusal] = {}
-        with translated("reserve"), self.engine.begin() as conn:
+        with translated("reserve"), self._single() as conn:
             for row in conn.execute(stmt):
                 results[row.task_id] = Grant(row.task_id, int(row.epoch), row.token,
                                              float(row.lease_until), int(row.attempts))
@@ -277,7 +288,7 @@ class SqlStore(Store):
                        claims.c.state == RESERVED, claims.c.lease_until > now)
                 .values(state=RUNNING, started_at=now, lease_until=now + ttl)
                 .returning(claims.c.lease_until))
-        with translated("start"), self.engine.begin() as conn:
+        with translated("start"), self._single() as conn:
             value = conn.execute(stmt).scalar_one_or_none()
         return None if value is None else float(value)
 
@@ -298,7 +309,7 @@ class SqlStore(Store):
                 where = held
             stmt = (sa.update(claims).where(where).values(lease_until=now + ttl)
                     .returning(claims.c.task_id))
-            with translated("renew"), self.engine.begin() as conn:
+            with translated("renew"), self._single() as conn:
                 got = set(conn.execute(stmt).scalars())
                 missing = [lease for lease in chunk if lease[0] not in got]
                 if missing and self.dialect.is_postgres:
@@ -314,7 +325,7 @@ class SqlStore(Store):
         by_outcome: dict[str, list[Completion]] = {}
         for c in completions:
             by_outcome.setdefault(c.outcome, []).append(c)
-        with translated("complete"), self.engine.begin() as conn:
+        with translated("complete"), self._single() as conn:
             for outcome, group in by_outcome.items():
                 state = _OUTCOME_STATE[outcome]
                 for i in range(0, len(group), _CHUNK):
@@ -364,8 +375,8 @@ class SqlStore(Store):
                 .where(claims.c.holder == holder, self._lease_key(leases),
                        claims.c.state == RESERVED)
                 .values(lease_until=self._now))
-        with translated("release"), self.engine.begin() as conn:
-            return conn.execute(stmt).rowcount
+        with translated("release"), self._single() as conn:
+            return int(conn.execute(stmt).rowcount)
 
     def purge_finished(self, older_than: float, limit: int = 500) -> int:
         now = self._now
@@ -469,8 +480,8 @@ class SqlStore(Store):
             return 0
         stmt = (sa.update(claims).where(self._lease_key(items), claims.c.state == OPEN)
                 .values(lease_until=None, holder=None, token=None))
-        with translated("mark_published"), self.engine.begin() as conn:
-            return conn.execute(stmt).rowcount
+        with translated("mark_published"), self._single() as conn:
+            return int(conn.execute(stmt).rowcount)
 
     def list_review(self, limit: int = 1000) -> list[ReviewItem]:
         stmt = (sa.select(claims.c.task_id, claims.c.task_name, claims.c.holder, claims.c.epoch,
@@ -547,7 +558,7 @@ class SqlStore(Store):
                                           else_=ex.acquired_at)),
             where=sa.or_(leaders.c.lease_until <= now, renewal),
         ).returning(leaders.c.holder, leaders.c.token, leaders.c.epoch, leaders.c.lease_until)
-        with translated("try_acquire"), self.engine.begin() as conn:
+        with translated("try_acquire"), self._single() as conn:
             row = conn.execute(stmt).one_or_none()
         if row is None:
             return None
@@ -556,8 +567,8 @@ class SqlStore(Store):
     def release_leader(self, key: str, token: str) -> bool:
         stmt = (sa.update(leaders).where(leaders.c.key == key, leaders.c.token == token)
                 .values(lease_until=self._now))
-        with translated("release_leader"), self.engine.begin() as conn:
-            return conn.execute(stmt).rowcount > 0
+        with translated("release_leader"), self._single() as conn:
+            return bool(conn.execute(stmt).rowcount > 0)
 
     def get_leader(self, key: str) -> LeaderInfo | None:
         now = sa.select(self._now).scalar_subquery()
