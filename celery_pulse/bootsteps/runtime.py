@@ -300,9 +300,10 @@ class Runtime(bootsteps.StartStopStep):
         pass
 
     def stop(self, w: Any) -> None:
-        pulse = getattr(w, "pulse", None)
-        if pulse is not None:
-            pulse.shutdown()
+        # Not here: this step stops before the pool, and leases must keep being renewed
+        # (and completions written) while in-flight tasks finish. The pulse pool shuts
+        # pulse down from its own on_stop, after the children are done.
+        pass
 
     def terminate(self, w: Any) -> None:
-        self.stop(w)
+        pass
