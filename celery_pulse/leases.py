@@ -32,6 +32,8 @@ from celery_pulse.store.base import ClaimStore, Completion, Grant, Refusal, Rese
 logger = logging.getLogger(__name__)
 
 RESERVED, RUNNING, LOST = "reserved", "running", "lost"
+#: How long a lost, never-started claim is remembered (so a late request is dropped).
+LOST_MEMORY = 300.0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -147,6 +149,24 @@ class LeaseKeeper:
             except PulseError as exc:
                 logger.warning("pulse: could not release reservations (they expire in "
                                "at most %gs): %s", self.ttl, exc)
+
+    def release_unstarted(self, why: str) -> int:
+        """Drop local reservations not yet started and expire them in the store now."""
+        with self._lock:
+            unstarted = [c for c in self.claims.values() if c.state == RESERVED]
+        now = self.monotonic()
+        for claim in unstarted:
+            claim.state = LOST
+            claim.lost_at = now
+            claim.lost_reason = why
+        if not unstarted:
+            return 0
+        try:
+            return self.store.release(self.holder, [c.key for c in unstarted])
+        except PulseError as exc:
+            logger.warning("pulse: could not release %d reservation(s) (they expire within "
+                           "%gs): %s", len(unstarted), self.ttl, exc)
+            return 0
 
     # -- the local table ------------------------------------------------------
     def add(self, grant: Grant, sent_at: float, retries: int, scheduled: bool) -> LocalClaim:
@@ -302,7 +322,10 @@ class LeaseKeeper:
         with self._lock:
             claims = list(self.claims.values())
         for claim in claims:
-            if claim.state in (RESERVED, RUNNING) and now >= claim.deadline:
+            if (claim.state == LOST and claim.pid is None and claim.lost_at is not None
+                    and now > claim.lost_at + LOST_MEMORY):
+                self.forget(claim)  # never handed to a child: nothing will ask for it now
+            elif claim.state in (RESERVED, RUNNING) and now >= claim.deadline:
                 self._lose(claim, "self-fenced: no successful renewal before the local deadline")
             elif (claim.state == LOST and claim.pid is not None and not claim.hard_stopped
                   and claim.lost_at is not None and now >= claim.lost_at + self.grace):

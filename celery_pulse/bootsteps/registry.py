@@ -41,6 +41,19 @@ class _Listener:
         worker_state.should_stop = 0
 
 
+def _keep_reservations_across_reconnects(c: Any, pulse: Any) -> None:
+    """On a broker reconnect Celery drops requests not yet running (it expects the broker
+    to redeliver them), but ours were acknowledged at reservation. Release them instead:
+    Recover re-dispatches each at once, under a new epoch."""
+    original = c.on_close
+
+    def on_close() -> None:
+        original()
+        pulse.release_unstarted("broker connection lost")
+
+    c.on_close = on_close
+
+
 def worker_labels(c: Any) -> dict[str, Any]:
     w = c.controller
     queues = sorted(c.app.amqp.queues.consume_from or c.app.amqp.queues)
@@ -69,6 +82,7 @@ class Registry(bootsteps.StartStopStep):
                 listener=_Listener(c, pulse.gate))
             pool = c.controller.pool
             pool.pulse = pulse
+            _keep_reservations_across_reconnects(c, pulse)
             pulse.membership.start()
             pulse.start_leases()
         else:

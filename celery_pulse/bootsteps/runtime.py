@@ -127,6 +127,13 @@ class PulseWorker:
 
             serve(self.settings.metrics_port, self.info)
 
+    def release_unstarted(self, why: str) -> None:
+        """Give up every reservation not yet started (Celery dropped their requests)."""
+        released = self.keeper.release_unstarted(why)
+        if released:
+            logger.warning("pulse: %d reservation(s) released for immediate re-dispatch: %s",
+                           released, why)
+
     def _purge(self, older_than: float) -> int:
         """Retention is the leader's job (any worker when beat is off)."""
         if self.elector is not None and not self.elector.is_leader:
