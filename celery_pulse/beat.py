@@ -33,7 +33,10 @@ from celery_pulse.store.base import BeatStore, LeaderGrant, Slot
 logger = logging.getLogger(__name__)
 
 SLOT_NAMESPACE = uuid.UUID("6f1c1d2e-4b9e-4f7a-9d0e-70756c736521")
+#: Most slots fired per entry and tick with ``catchup="all"`` (the rest on the next tick).
 MAX_CATCHUP = 1000
+#: Most missed periods skipped per entry and tick with ``catchup="latest"``.
+MAX_SKIP = 10_000_000
 CATCHUP_MODES = ("latest", "all")
 
 
@@ -120,12 +123,19 @@ class Beat:
                 last = self.store.init_last_run(entry.name, now)
             due = entry.next_due(last)
             slots: list[float] = []
-            while due <= now and len(slots) < MAX_CATCHUP:
-                slots.append(due)
-                due = entry.next_due(due)
-            wake = min(wake, due)
             if self.catchup == "latest":
-                slots = slots[-1:]
+                # Skip every missed period but the most recent one (not only the first
+                # MAX_CATCHUP of them: that would fire one slot per batch).
+                skipped = 0
+                while due <= now and skipped < MAX_SKIP:
+                    slots[:] = [due]
+                    due = entry.next_due(due)
+                    skipped += 1
+            else:
+                while due <= now and len(slots) < MAX_CATCHUP:
+                    slots.append(due)
+                    due = entry.next_due(due)
+            wake = min(wake, due)
             for due_at in slots:
                 if not self.elector.is_leader:
                     return self.max_sleep

@@ -24,6 +24,7 @@ class ConsumeGate:
         self._reasons: set[str] = set()
         self._lock = threading.Lock()
         self._paused = False
+        self._last: list[str] = []
 
     @property
     def reasons(self) -> frozenset[str]:
@@ -69,11 +70,15 @@ class ConsumeGate:
         with self._lock:
             want_paused = bool(self._reasons)
             reasons = sorted(self._reasons)
+        # The prefetch limit toggles often under load: log it at debug level only.
+        log = logger.debug if reasons == ["prefetch limit"] or self._last == ["prefetch limit"] \
+            else logger.warning
         if want_paused and not self._paused:
             task_consumer.cancel()
             self._paused = True
-            logger.warning("pulse: stopped consuming (%s)", ", ".join(reasons))
+            log("pulse: stopped consuming (%s)", ", ".join(reasons))
         elif not want_paused and self._paused:
             task_consumer.consume()
             self._paused = False
-            logger.warning("pulse: consuming again")
+            log("pulse: consuming again")
+        self._last = reasons

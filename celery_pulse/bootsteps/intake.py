@@ -87,6 +87,12 @@ class Intake:
                 # A retry of a task we still run: wait until that attempt completes.
                 self.loop.later(0.2, handler, message, body, ack, reject, callbacks)
                 return None
+            if self._over_prefetch_limit(headers):
+                # Delivered after the gate closed (already in flight from the broker):
+                # hand it back unacknowledged rather than hold more than the limit.
+                message.reject(requeue=True)
+                self.pulse.update_prefetch_gate()
+                return None
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries)
             self.pending += 1
@@ -103,6 +109,17 @@ class Intake:
             return None
 
         return handler
+
+    def _over_prefetch_limit(self, headers: Any) -> bool:
+        """True when reserving one more would exceed ``prefetch multiplier x concurrency``.
+
+        The gate pauses consumption at the mark, but messages the broker pushed before
+        the pause took effect still arrive. ETA/countdown tasks do not count (as in Celery).
+        """
+        limit = self.pulse.prefetch_limit
+        if not limit or headers.get("eta"):
+            return False
+        return self.keeper.unstarted() + self.pending >= limit
 
     def _reserve_blocking(self, request: ReserveRequest,
                           on_result: Callable[[Any, float], None]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -23,13 +24,16 @@ from celery_pulse.store.base import ScheduleRow, Slot
 logger = logging.getLogger(__name__)
 
 SCHEDULE_KINDS = ("interval", "crontab")
+#: Due times are stored to the millisecond: the shortest period that still advances.
+MIN_PERIOD = 0.001
 
 
 def next_due_function(schedule: Any) -> Any:
     def next_due(after: float) -> float:
         if isinstance(schedule, schedules.schedule) and not isinstance(
                 schedule, (schedules.crontab, schedules.solar)) and not schedule.relative:
-            return float(round(after + schedule.run_every.total_seconds(), 3))
+            # Due times are kept to the millisecond: never round back onto ``after``.
+            return float(round(after + max(schedule.run_every.total_seconds(), MIN_PERIOD), 3))
         after_dt = datetime.fromtimestamp(after, tz=timezone.utc)
         saved = schedule.nowfun
         schedule.nowfun = lambda: after_dt
@@ -70,8 +74,9 @@ def schedule_from_row(kind: str, spec: dict[str, Any]) -> Any:
     """Build (and so validate) a dynamic entry's schedule."""
     if kind == "interval":
         every = float(spec["every"])
-        if every <= 0:
-            raise InvalidConfig("interval schedule: 'every' must be > 0 seconds")
+        if not math.isfinite(every) or every < MIN_PERIOD:
+            raise InvalidConfig(f"interval schedule: 'every' must be a finite number of "
+                                f"seconds >= {MIN_PERIOD:g}, got {every!r}")
         return schedules.schedule(timedelta(seconds=every))
     if kind == "crontab":
         return schedules.crontab(**spec)

@@ -47,6 +47,7 @@ class TaskPool(prefork.TaskPool):
         request = getattr(callback, "__self__", None)
         if claim.state == LOST or not pulse.keeper.is_live(claim):
             self._drop(claim, request, "lease lost before the task started")
+            self._release_permit()
             return None
         claim.request = request
         claim.slot = pulse.table.assign(task_id, claim.deadline)
@@ -127,6 +128,18 @@ class TaskPool(prefork.TaskPool):
         self._forget(claim)
         if request is not None:
             worker_state.task_ready(request)
+
+    def _release_permit(self) -> None:
+        """Give back the pool permit of a job that was never submitted.
+
+        With the event loop, Celery acquires a permit of the worker's semaphore (one per
+        process) before calling ``apply_async``, and the pool releases it when the job's
+        result comes back. A job we drop here never reaches the pool: without this the
+        worker would run one process short for good (with ``-c 1``: nothing runs again).
+        """
+        semaphore = self.options.get("semaphore")
+        if semaphore is not None:
+            semaphore.release()
 
     # -- shutdown ----------------------------------------------------------------------------
     def on_stop(self) -> None:

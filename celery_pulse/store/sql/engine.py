@@ -19,7 +19,7 @@ def make_engine(url: str) -> sa.Engine:
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
-    return sa.create_engine(parsed, pool_pre_ping=True, pool_size=4, max_overflow=8,
+    return sa.create_engine(parsed, pool_size=4, max_overflow=8,
                             connect_args=connect_args)
 
 

@@ -81,6 +81,7 @@ class SqlStore(Store):
         self.dialect = Dialect(engine.dialect.name)
         self._now = self.dialect.now()
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._reserve_stmt: Any = None
 
     def _single(self) -> Any:
         """A connection for independent statements, each atomic on its own.
@@ -194,32 +195,32 @@ class SqlStore(Store):
         return sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
             [tuple(lease) for lease in leases])
 
-    def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
-                ) -> list[Grant | Refusal]:
-        if not requests:
-            return []
+    def _reserve_statement(self) -> Any:
+        """Built once: executed with one parameter set per task, SQLAlchemy batches the
+        rows into multi-row ``INSERT .. ON CONFLICT .. RETURNING`` statements
+        ("insertmanyvalues") from a cached compilation."""
+        if self._reserve_stmt is not None:
+            return self._reserve_stmt
         now = self._now
-        unique: dict[str, ReserveRequest] = {}
-        for req in requests:
-            unique.setdefault(req.task_id, req)
-        values = [dict(
-            task_id=r.task_id, task_name=r.task_name, state=RESERVED, holder=holder,
-            token=self.dialect.new_token(), epoch=1, lease_until=now + ttl, attempts=1,
-            max_attempts=r.max_attempts, policy=r.policy, retries=r.retries,
-            body=r.message.body, headers=_dumps(r.message.headers),
-            properties=_dumps(r.message.properties),
-            delivery_info=_dumps(r.message.delivery_info),
-            content_type=r.message.content_type, content_encoding=r.message.content_encoding,
-            created_at=now, reserved_at=now) for r in unique.values()]
-        stmt = self.dialect.insert(claims).values(values)
+        stmt = self.dialect.insert(claims).values(
+            task_id=sa.bindparam("task_id"), task_name=sa.bindparam("task_name"),
+            state=RESERVED, holder=sa.bindparam("holder"), token=self.dialect.new_token(),
+            epoch=1, lease_until=now + sa.bindparam("ttl", type_=sa.Float(precision=53)),
+            attempts=1, max_attempts=sa.bindparam("max_attempts"),
+            policy=sa.bindparam("policy"), retries=sa.bindparam("retries"),
+            body=sa.bindparam("body"), headers=sa.bindparam("headers"),
+            properties=sa.bindparam("properties"), delivery_info=sa.bindparam("delivery_info"),
+            content_type=sa.bindparam("content_type"),
+            content_encoding=sa.bindparam("content_encoding"),
+            created_at=now, reserved_at=now)
         ex = stmt.excluded
+        mine = claims.c.holder == ex.holder
         claimable = sa.or_(
             claims.c.state == OPEN,
-            sa.and_(claims.c.state == RESERVED,
-                    sa.or_(claims.c.lease_until <= now, claims.c.holder == holder)),
+            sa.and_(claims.c.state == RESERVED, sa.or_(claims.c.lease_until <= now, mine)),
             sa.and_(claims.c.state == RUNNING, claims.c.policy == "redispatch",
-                    sa.or_(claims.c.lease_until <= now, claims.c.holder == holder)))
-        stmt = stmt.on_conflict_do_update(
+                    sa.or_(claims.c.lease_until <= now, mine)))
+        self._reserve_stmt = stmt.on_conflict_do_update(
             index_elements=[claims.c.task_id],
             set_=dict(state=RESERVED, holder=ex.holder, token=ex.token,
                       epoch=claims.c.epoch + 1, lease_until=ex.lease_until,
@@ -232,9 +233,27 @@ class SqlStore(Store):
             where=sa.and_(claims.c.attempts < claims.c.max_attempts, claimable),
         ).returning(claims.c.task_id, claims.c.epoch, claims.c.token, claims.c.lease_until,
                     claims.c.attempts)
+        return self._reserve_stmt
+
+    def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
+                ) -> list[Grant | Refusal]:
+        if not requests:
+            return []
+        unique: dict[str, ReserveRequest] = {}
+        for req in requests:
+            unique.setdefault(req.task_id, req)
+        params = [dict(
+            task_id=r.task_id, task_name=r.task_name, holder=holder, ttl=ttl,
+            max_attempts=r.max_attempts, policy=r.policy, retries=r.retries,
+            body=r.message.body, headers=_dumps(r.message.headers),
+            properties=_dumps(r.message.properties),
+            delivery_info=_dumps(r.message.delivery_info),
+            content_type=r.message.content_type, content_encoding=r.message.content_encoding,
+        ) for r in unique.values()]
+        stmt = self._reserve_statement()
         results: dict[str, Grant | Refusal] = {}
         with translated("reserve"), self._single() as conn:
-            for row in conn.execute(stmt):
+            for row in conn.execute(stmt, params):
                 results[row.task_id] = Grant(row.task_id, int(row.epoch), row.token,
                                              float(row.lease_until), int(row.attempts))
             missing = [tid for tid in unique if tid not in results]
