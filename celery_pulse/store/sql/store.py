@@ -7,6 +7,7 @@ credential check (token, epoch) and the expiry check by the store clock.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,6 +64,8 @@ from celery_pulse.store.sql.tables import (
     schedule,
     workers,
 )
+
+logger = logging.getLogger(__name__)
 
 _OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, RETRY: OPEN}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
@@ -490,8 +493,19 @@ class SqlStore(Store):
                     .returning(claims.c.task_id, claims.c.epoch, claims.c.token))}
                 for r in members:
                     g = granted.get(r.task_id)
-                    if g is not None:
+                    if g is None:
+                        continue
+                    try:
                         out.append(self._recovered(r, state, int(g.epoch), g.token))
+                    except (ValueError, TypeError) as exc:
+                        # A corrupted row must not stall recovery of every other claim.
+                        logger.error("pulse: claim %s is corrupted (%s): marked failed",
+                                     r.task_id, exc)
+                        conn.execute(sa.update(claims).where(
+                            claims.c.task_id == r.task_id, claims.c.epoch == g.epoch).values(
+                            state=FAILED, outcome="corrupted", finished_at=now,
+                            lease_until=None, token=None,
+                            error=f"corrupted claim row: {exc}"[:500]))
         return out
 
     def mark_published(self, items: Sequence[tuple[str, int, str]]) -> int:
@@ -511,8 +525,11 @@ class SqlStore(Store):
             rows = conn.execute(stmt).all()
         items = []
         for r in rows:
-            headers = json.loads(r.headers)
-            summary = f"{headers.get('argsrepr', '')} {headers.get('kwargsrepr', '')}".strip()
+            try:
+                headers = json.loads(r.headers)
+                summary = f"{headers.get('argsrepr', '')} {headers.get('kwargsrepr', '')}".strip()
+            except (ValueError, AttributeError):
+                summary = "<unreadable headers>"
             items.append(ReviewItem(r.task_id, r.task_name, r.holder, int(r.epoch),
                                     int(r.attempts), summary[:200],
                                     float(r.reserved_at or r.created_at)))
