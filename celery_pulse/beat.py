@@ -1,6 +1,8 @@
 """The leader-elected beat: every periodic slot fires exactly once.
 
-The mechanism only (no Celery). Entries come from an adapter as
+The mechanism only (no Celery). "Now" is the store's clock (``now``), so a leader
+whose wall clock is off by an hour neither fires an hour of slots early nor stalls.
+Entries come from an adapter as
 :class:`Entry` objects whose ``next_due(after)`` gives the next due time (store-
 independent, deterministic: two leaders computing from the same ``last_run_at``
 get the same slot).

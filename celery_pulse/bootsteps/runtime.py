@@ -95,7 +95,8 @@ class PulseWorker:
                 interval=settings.leader_interval, margin=settings.safety_margin,
                 on_gained=self._on_gained, on_lost=self._on_lost_leadership)
             self.beat = Beat(store, self.elector, entries=EntrySource(app, store),
-                             publish=publisher(app), catchup=settings.beat_catchup)
+                             publish=publisher(app), catchup=settings.beat_catchup,
+                             now=store.now)
         self.recoverer = Recoverer(
             store, hostname, interval=settings.recover_interval, batch=settings.recover_batch,
             publish_ttl=max(5.0, settings.lease_ttl), retention=settings.retention,

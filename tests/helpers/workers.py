@@ -67,7 +67,7 @@ class Worker:
     """One ``celery worker`` process in its own process group."""
 
     def __init__(self, env: Env, name: str, *, pool: str = "pulse", concurrency: int = 1,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.env = env
         self.name = name
         self.log_path = env.tmp / f"worker-{name.replace('@', '_')}-{time.monotonic_ns()}.log"
@@ -75,7 +75,9 @@ class Worker:
                 "-n", name, "-c", str(concurrency), "-Q", env.queue, "-l", "info",
                 "--without-mingle", "--without-gossip", *extra]
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill()/wait()
-        self.proc = subprocess.Popen(argv, env=env.vars(), cwd=env.tmp, stdout=self._log,
+        variables = env.vars()
+        variables.update(extra_env or {})
+        self.proc = subprocess.Popen(argv, env=variables, cwd=env.tmp, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
