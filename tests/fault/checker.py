@@ -7,6 +7,7 @@ hand-made histories that break each rule.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
@@ -113,7 +114,7 @@ def check(submitted: Iterable[str], claims: Iterable[ClaimState], events: Iterab
             by_entry[entry].append(float(due))
         for entry, dues in by_entry.items():
             dues.sort()
-            for a, b in zip(dues, dues[1:], strict=False):
+            for a, b in itertools.pairwise(dues):
                 if abs((b - a) - slot_period) > 0.01:
                     report.violations.append(f"slot(s) of {entry} skipped between {a} and {b}")
     slot_keys = Counter(slots)
