@@ -22,7 +22,7 @@ celery_pulse.install(app)
 
 
 @app.task(name="opsapp.hold")
-def hold(seconds: float, marker: str) -> str:
+def hold(seconds: float, marker: str, pad: str = "") -> str:
     """Runs until done or until its lease is lost (then LeaseLost propagates)."""
     lease = current_lease()
     assert lease is not None
