@@ -332,11 +332,9 @@ def beat_command(ctx: click.Context, name: str | None) -> None:
     settings = _settings(ctx)
     holder = name or f"beat@{socket.gethostname()}:{os.getpid()}"
     with _store(ctx) as store:
-        # settings.safety_margin derives from the task-lease TTL; a leader TTL at or
-        # below it would leave no moment of leadership: scale it to the leader TTL too.
         elector = LeaderElector(store, BEAT_KEY, holder, ttl=settings.leader_ttl,
                                 interval=settings.leader_interval,
-                                margin=min(settings.safety_margin, settings.leader_ttl / 10))
+                                margin=settings.leader_margin)
         beat = Beat(store, elector, entries=EntrySource(app, store), publish=publisher(app),
                     catchup=settings.beat_catchup, now=store.now)
         elector.on_gained = beat.on_gained

@@ -308,14 +308,15 @@ class LeaseKeeper:
                 self.counters.renewals += 1
                 self.counters.record_latency(self.monotonic() - sent)
             if renewed is not None and busy is not None:
-                ok = renewed | busy
                 kept = []
                 for claim in held:
-                    if claim.task_id in ok:
+                    if claim.task_id in renewed:
                         claim.deadline = sent + self.ttl - self.margin
                         kept.append(claim)
-                    else:
+                    elif claim.task_id not in busy:
                         self._lose(claim, "not renewed: the store no longer grants this lease")
+                    # A busy lease (its row held by a fenced transaction) is still valid
+                    # but was not extended in the store: neither is its local deadline.
                 if kept:
                     self.listener.on_renewed(kept)
         now = self.monotonic()

@@ -136,8 +136,18 @@ class Settings:
 
     @property
     def safety_margin(self) -> float:
-        """Slack subtracted from every local self-fence deadline (covers clock drift, GC)."""
+        """Slack subtracted from a task lease's local self-fence deadline (drift, GC)."""
         return min(1.0, self.lease_ttl / 10.0)
+
+    @property
+    def worker_margin(self) -> float:
+        """The same slack for the worker registration."""
+        return min(1.0, self.worker_ttl / 10.0)
+
+    @property
+    def leader_margin(self) -> float:
+        """The same slack for leadership."""
+        return min(1.0, self.leader_ttl / 10.0)
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> Settings:

@@ -116,10 +116,11 @@ class Intake:
         The gate pauses consumption at the mark, but messages the broker pushed before
         the pause took effect still arrive. ETA/countdown tasks do not count (as in Celery).
         """
-        limit = self.pulse.prefetch_limit
+        limit = int(self.pulse.prefetch_limit or 0)
         if not limit or headers.get("eta"):
             return False
-        return self.keeper.unstarted() + self.pending >= limit
+        waiting: int = self.keeper.unstarted() + self.pending
+        return waiting >= limit
 
     def _reserve_blocking(self, request: ReserveRequest,
                           on_result: Callable[[Any, float], None]) -> None:

@@ -78,7 +78,7 @@ class Registry(bootsteps.StartStopStep):
             pulse.bind(c)
             pulse.membership = Membership(
                 pulse.store, c.hostname, worker_labels(c), ttl=settings.worker_ttl,
-                interval=settings.heartbeat_interval, margin=settings.safety_margin,
+                interval=settings.heartbeat_interval, margin=settings.worker_margin,
                 listener=_Listener(c, pulse.gate))
             pool = c.controller.pool
             pool.pulse = pulse

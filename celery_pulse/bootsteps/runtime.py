@@ -92,7 +92,7 @@ class PulseWorker:
         if settings.beat:
             self.elector = LeaderElector(
                 store, BEAT_KEY, hostname, ttl=settings.leader_ttl,
-                interval=settings.leader_interval, margin=settings.safety_margin,
+                interval=settings.leader_interval, margin=settings.leader_margin,
                 on_gained=self._on_gained, on_lost=self._on_lost_leadership)
             self.beat = Beat(store, self.elector, entries=EntrySource(app, store),
                              publish=publisher(app), catchup=settings.beat_catchup,
