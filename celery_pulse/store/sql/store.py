@@ -84,7 +84,7 @@ class SqlStore(Store):
         self.dialect = Dialect(engine.dialect.name)
         self._now = self.dialect.now()
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._reserve_stmt: Any = None
+        self._reserve_sql_cache: dict[int, str] = {}
 
     def _single(self) -> Any:
         """A connection for independent statements, each atomic on its own.
@@ -198,45 +198,55 @@ class SqlStore(Store):
         return sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
             [tuple(lease) for lease in leases])
 
-    def _reserve_statement(self) -> Any:
-        """Built once: executed with one parameter set per task, SQLAlchemy batches the
-        rows into multi-row ``INSERT .. ON CONFLICT .. RETURNING`` statements
-        ("insertmanyvalues") from a cached compilation."""
-        if self._reserve_stmt is not None:
-            return self._reserve_stmt
-        now = self._now
-        stmt = self.dialect.insert(claims).values(
-            task_id=sa.bindparam("task_id"), task_name=sa.bindparam("task_name"),
-            state=RESERVED, holder=sa.bindparam("holder"), token=self.dialect.new_token(),
-            epoch=1, lease_until=now + sa.bindparam("ttl", type_=sa.Float(precision=53)),
-            attempts=1, max_attempts=sa.bindparam("max_attempts"),
-            policy=sa.bindparam("policy"), retries=sa.bindparam("retries"),
-            body=sa.bindparam("body"), headers=sa.bindparam("headers"),
-            properties=sa.bindparam("properties"), delivery_info=sa.bindparam("delivery_info"),
-            content_type=sa.bindparam("content_type"),
-            content_encoding=sa.bindparam("content_encoding"),
-            created_at=now, reserved_at=now)
-        ex = stmt.excluded
-        mine = claims.c.holder == ex.holder
-        claimable = sa.or_(
-            claims.c.state == OPEN,
-            sa.and_(claims.c.state == RESERVED, sa.or_(claims.c.lease_until <= now, mine)),
-            sa.and_(claims.c.state == RUNNING, claims.c.policy == "redispatch",
-                    sa.or_(claims.c.lease_until <= now, mine)))
-        self._reserve_stmt = stmt.on_conflict_do_update(
-            index_elements=[claims.c.task_id],
-            set_=dict(state=RESERVED, holder=ex.holder, token=ex.token,
-                      epoch=claims.c.epoch + 1, lease_until=ex.lease_until,
-                      attempts=claims.c.attempts + 1, policy=ex.policy, retries=ex.retries,
-                      task_name=ex.task_name, body=ex.body, headers=ex.headers,
-                      properties=ex.properties, delivery_info=ex.delivery_info,
-                      content_type=ex.content_type, content_encoding=ex.content_encoding,
-                      reserved_at=ex.reserved_at, started_at=None, finished_at=None,
-                      outcome=None, error=None),
-            where=sa.and_(claims.c.attempts < claims.c.max_attempts, claimable),
-        ).returning(claims.c.task_id, claims.c.epoch, claims.c.token, claims.c.lease_until,
-                    claims.c.attempts)
-        return self._reserve_stmt
+    _RESERVE_COLUMNS = ("task_id", "task_name", "max_attempts", "policy", "retries", "body",
+                        "headers", "properties", "delivery_info", "content_type",
+                        "content_encoding")
+
+    def _reserve_sql(self, rows: int) -> str:
+        """One multi-row ``INSERT .. ON CONFLICT DO UPDATE .. RETURNING`` for ``rows`` tasks.
+
+        Plain SQL text, built once per batch size: this is the hot path (every delivered
+        task), and one statement per batch is what keeps the cost per task low.
+        """
+        cached = self._reserve_sql_cache.get(rows)
+        if cached is not None:
+            return cached
+        pg = self.dialect.is_postgres
+        mark = "%s" if pg else "?"
+        casts = ("", "", "::integer", "", "::integer", "::bytea", "", "", "", "", "") if pg \
+            else ("",) * 11
+        row = "(" + ", ".join(f"{mark}{cast}" for cast in casts) + ")"
+        now = self.dialect._now
+        token = self.dialect._token
+        cols = ", ".join(self._RESERVE_COLUMNS)
+        mine = "pulse_claims.holder = excluded.holder"
+        expired = f"pulse_claims.lease_until <= {now}"
+        sql = (
+            f"WITH v({cols}) AS (VALUES {', '.join([row] * rows)}) "
+            f"INSERT INTO pulse_claims (task_id, task_name, state, holder, token, epoch, "
+            f"lease_until, attempts, max_attempts, policy, retries, body, headers, properties, "
+            f"delivery_info, content_type, content_encoding, created_at, reserved_at) "
+            f"SELECT v.task_id, v.task_name, 'reserved', {mark}, {token}, 1, {now} + {mark}, 1, "
+            f"v.max_attempts, v.policy, v.retries, v.body, v.headers, v.properties, "
+            f"v.delivery_info, v.content_type, v.content_encoding, {now}, {now} "
+            f"FROM v WHERE true "
+            f"ON CONFLICT (task_id) DO UPDATE SET state = 'reserved', holder = excluded.holder, "
+            f"token = excluded.token, epoch = pulse_claims.epoch + 1, "
+            f"lease_until = excluded.lease_until, attempts = pulse_claims.attempts + 1, "
+            f"policy = excluded.policy, retries = excluded.retries, "
+            f"task_name = excluded.task_name, body = excluded.body, headers = excluded.headers, "
+            f"properties = excluded.properties, delivery_info = excluded.delivery_info, "
+            f"content_type = excluded.content_type, "
+            f"content_encoding = excluded.content_encoding, reserved_at = excluded.reserved_at, "
+            f"started_at = NULL, finished_at = NULL, outcome = NULL, error = NULL "
+            f"WHERE pulse_claims.attempts < pulse_claims.max_attempts AND ("
+            f"pulse_claims.state = 'open' "
+            f"OR (pulse_claims.state = 'reserved' AND ({expired} OR {mine})) "
+            f"OR (pulse_claims.state = 'running' AND pulse_claims.policy = 'redispatch' "
+            f"AND ({expired} OR {mine}))) "
+            f"RETURNING task_id, epoch, token, lease_until, attempts")
+        self._reserve_sql_cache[rows] = sql
+        return sql
 
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:
@@ -245,18 +255,17 @@ class SqlStore(Store):
         unique: dict[str, ReserveRequest] = {}
         for req in requests:
             unique.setdefault(req.task_id, req)
-        params = [dict(
-            task_id=r.task_id, task_name=r.task_name, holder=holder, ttl=ttl,
-            max_attempts=r.max_attempts, policy=r.policy, retries=r.retries,
-            body=r.message.body, headers=_dumps(r.message.headers),
-            properties=_dumps(r.message.properties),
-            delivery_info=_dumps(r.message.delivery_info),
-            content_type=r.message.content_type, content_encoding=r.message.content_encoding,
-        ) for r in unique.values()]
-        stmt = self._reserve_statement()
+        params: list[Any] = []
+        for r in unique.values():
+            params += [r.task_id, r.task_name, r.max_attempts, r.policy, r.retries,
+                       r.message.body, _dumps(r.message.headers),
+                       _dumps(r.message.properties), _dumps(r.message.delivery_info),
+                       r.message.content_type, r.message.content_encoding]
+        params += [holder, ttl]  # the CTE's rows come first in the statement
+        sql = self._reserve_sql(len(unique))
         results: dict[str, Grant | Refusal] = {}
         with translated("reserve"), self._single() as conn:
-            for row in conn.execute(stmt, params):
+            for row in conn.exec_driver_sql(sql, tuple(params)):
                 results[row.task_id] = Grant(row.task_id, int(row.epoch), row.token,
                                              float(row.lease_until), int(row.attempts))
             missing = [tid for tid in unique if tid not in results]
@@ -303,15 +312,16 @@ class SqlStore(Store):
         return out
 
     def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
-        now = self._now
-        stmt = (sa.update(claims)
-                .where(claims.c.task_id == task_id, claims.c.epoch == epoch,
-                       claims.c.token == token, claims.c.holder == holder,
-                       claims.c.state == RESERVED, claims.c.lease_until > now)
-                .values(state=RUNNING, started_at=now, lease_until=now + ttl)
-                .returning(claims.c.lease_until))
+        # Plain SQL: one per task, run by the pool child right before the body.
+        mark = "%s" if self.dialect.is_postgres else "?"
+        now = self.dialect._now
+        sql = (f"UPDATE pulse_claims SET state = 'running', started_at = {now}, "
+               f"lease_until = {now} + {mark} WHERE task_id = {mark} AND epoch = {mark} "
+               f"AND token = {mark} AND holder = {mark} AND state = 'reserved' "
+               f"AND lease_until > {now} RETURNING lease_until")
         with translated("start"), self._single() as conn:
-            value = conn.execute(stmt).scalar_one_or_none()
+            value = conn.exec_driver_sql(sql, (ttl, task_id, epoch, token, holder)
+                                         ).scalar_one_or_none()
         return None if value is None else float(value)
 
     def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
