@@ -127,7 +127,8 @@ class LeaseKeeper:
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
-        for name, target in (("pulse-commit", self._commit_loop), ("pulse-renew", self._renew_loop)):
+        for name, target in (("pulse-commit", self._commit_loop), ("pulse-renew", self._renew_loop),
+                             ("pulse-watchdog", self._watchdog_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -290,6 +291,32 @@ class LeaseKeeper:
         # Keep renewing while stop() waits for the committer: handled by the caller
         # stopping us only after the pool has drained.
 
+    def _watchdog_loop(self) -> None:
+        """Enforce local deadlines even while a store call hangs (a locked SQLite file, a
+        half-open TCP connection): the renewer may be stuck, the deadline is not."""
+        tick = min(0.25, self.interval / 4)
+        while not self._stop.wait(tick):
+            try:
+                self.enforce_deadlines()
+            except Exception:
+                logger.exception("pulse: lease watchdog failed unexpectedly")
+
+    def enforce_deadlines(self) -> None:
+        """Lose every lease past its local deadline; hard-stop what ignored LeaseLost."""
+        now = self.monotonic()
+        with self._lock:
+            claims = list(self.claims.values())
+        for claim in claims:
+            if claim.state in (RESERVED, RUNNING) and now >= claim.deadline:
+                self._lose(claim, "self-fenced: no successful renewal before the local deadline")
+            elif (claim.state == LOST and claim.pid is not None and not claim.hard_stopped
+                  and claim.lost_at is not None and now >= claim.lost_at + self.grace):
+                claim.hard_stopped = True
+                self.counters.hard_stopped += 1
+                logger.error("pulse: task %s epoch %d ignored LeaseLost for %gs: hard stop",
+                             claim.task_id, claim.epoch, self.grace)
+                self.listener.on_hard_stop(claim)
+
     def renew_once(self) -> float:
         """Renew every lease, mark losses, hard-stop the overdue. Returns the next delay."""
         with self._lock:
@@ -326,15 +353,7 @@ class LeaseKeeper:
             if (claim.state == LOST and claim.pid is None and claim.lost_at is not None
                     and now > claim.lost_at + LOST_MEMORY):
                 self.forget(claim)  # never handed to a child: nothing will ask for it now
-            elif claim.state in (RESERVED, RUNNING) and now >= claim.deadline:
-                self._lose(claim, "self-fenced: no successful renewal before the local deadline")
-            elif (claim.state == LOST and claim.pid is not None and not claim.hard_stopped
-                  and claim.lost_at is not None and now >= claim.lost_at + self.grace):
-                claim.hard_stopped = True
-                self.counters.hard_stopped += 1
-                logger.error("pulse: task %s epoch %d ignored LeaseLost for %gs: hard stop",
-                             claim.task_id, claim.epoch, self.grace)
-                self.listener.on_hard_stop(claim)
+        self.enforce_deadlines()
         next_deadline = min((c.deadline for c in claims if c.state in (RESERVED, RUNNING)),
                             default=now + self.interval)
         next_stop = min((c.lost_at + self.grace for c in claims
@@ -343,11 +362,12 @@ class LeaseKeeper:
         return max(0.01, min(self.interval, next_deadline - now, next_stop - now))
 
     def _lose(self, claim: LocalClaim, reason: str) -> None:
-        if claim.state == LOST:
-            return
-        was = claim.state
-        claim.state = LOST
-        claim.lost_at = self.monotonic()
+        with self._lock:  # the renewer and the watchdog may race here
+            if claim.state == LOST:
+                return
+            was = claim.state
+            claim.state = LOST
+            claim.lost_at = self.monotonic()
         claim.lost_reason = reason
         self.counters.lost += 1
         logger.warning("pulse: lease lost for task %s epoch %d (%s, was %s)",

@@ -21,6 +21,7 @@ from typing import Any
 from celery_pulse.errors import LeaseLost, PulseError
 from celery_pulse.lease import Lease, _set_current
 from celery_pulse.pool.slots import DeadlineTable
+from celery_pulse.store.sql.fence import make_fencer
 
 LEASE_SIGNAL = signal.SIGUSR2
 REFUSED = "celery-pulse:start-refused"
@@ -104,6 +105,13 @@ def _install_handler() -> None:
         _handler_installed = True
 
 
+def install_signal_handler(**_kwargs: Any) -> None:
+    """``worker_process_init`` receiver: a late signal is then ignored, never fatal."""
+    global _handler_installed
+    _handler_installed = False
+    _install_handler()
+
+
 def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
     """Authorise the start in the store, then run ``target`` under the lease."""
     global _armed
@@ -112,6 +120,7 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
     if info is None or _context is None:
         return target(*args, **kwargs)
     task_id = info["task_id"]
+    _install_handler()  # before anything slow: SIGUSR2's default action kills the child
     try:
         started = _child_store().start(_context.holder, task_id, info["epoch"], info["token"],
                                        _context.ttl)
@@ -119,15 +128,16 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         started = None
     if started is None:
         return (REFUSED, task_id)
-    from celery_pulse.store.sql.fence import make_fencer
-
     table, slot = _context.table, info.get("slot")
     lease = Lease(task_id, info["epoch"], info["token"], _context.holder,
                   read_deadline=(lambda: table.read(slot, task_id)) if slot is not None
                   else (lambda: None),
                   fencer=make_fencer(_context.store_url, _context.ttl),
                   initial_deadline=info["deadline"])
-    _install_handler()
+    if lease.lost:
+        # Revoked while we were starting (the signal found no task frame to raise in):
+        # never start the body. The store decides what happens next (Recover).
+        return (REFUSED, task_id)
     _armed = (lease, _task_codes(args[0]))
     _set_current(lease)
     try:

@@ -26,6 +26,8 @@ def translated(where: str) -> Iterator[None]:
                 "no such table" in text):
             raise SchemaMissing() from exc
         first_line = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
+        if "syntax error" in text or "no such column" in text:
+            raise  # SQLite reports these as OperationalError: a bug, not an outage
         if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or (
                 exc.connection_invalidated) or any(m in text for m in _UNWRITABLE_MARKERS):
             raise StoreUnavailable(f"store unavailable during {where}: {first_line}") from exc
