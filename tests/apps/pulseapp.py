@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 from celery import Celery
 
 import celery_pulse
+from celery_pulse import LeaseLost, current_lease
 
 app = Celery("pulseapp", broker=os.environ.get("PULSE_TEST_BROKER", "memory://"))
 queue = os.environ.get("PULSE_TEST_QUEUE", "celery")
@@ -43,3 +45,111 @@ def sleep(seconds: float, path: str | None = None) -> float:
     if path:
         touch(path, "end")
     return seconds
+
+
+# -- tasks for the lease acceptance tests (tests/acceptance/test_leases.py) -------------
+# Each writes one line per event into ``path`` ("start <epoch> <pid> ...", "lost <wall time>",
+# "end <epoch>", ...), so the test can count executions and time what the task saw.
+
+def mark(path: str, *words: object) -> None:
+    """Append one line ``words...`` to ``path`` (flushed on close)."""
+    with open(path, "a") as fh:
+        fh.write(" ".join(str(w) for w in words) + "\n")
+
+
+_engines: dict[str, Any] = {}
+
+
+def store_engine() -> Any:
+    """An engine on the store's database (one per process: children are forked)."""
+    import sqlalchemy as sa
+
+    key = f"{os.getpid()}:{app.conf.pulse_store_url}"
+    if key not in _engines:
+        _engines[key] = sa.create_engine(app.conf.pulse_store_url, poolclass=sa.pool.NullPool)
+    return _engines[key]
+
+
+def _watch(path: str, seconds: float) -> int:
+    """Run ``seconds`` under the lease, checking it every 20 ms; record what happened."""
+    lease = current_lease()
+    epoch = lease.epoch if lease else 0
+    mark(path, "start", epoch, os.getpid(), repr(time.time()))
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            if lease is not None:
+                lease.check()
+            time.sleep(0.02)
+    except LeaseLost:
+        mark(path, "lost", repr(time.time()), epoch)
+        raise
+    mark(path, "end", epoch)
+    return epoch
+
+
+@app.task(name="pulseapp.leased_sleep")
+def leased_sleep(seconds: float, path: str) -> int:
+    """Sleep under the lease; LeaseLost (signal or check) is recorded with its wall time."""
+    return _watch(path, seconds)
+
+
+@app.task(name="pulseapp.late_sleep", acks_late=True)
+def late_sleep(seconds: float, path: str) -> int:
+    """``leased_sleep`` with ``acks_late=True``."""
+    return _watch(path, seconds)
+
+
+@app.task(name="pulseapp.fenced_writer")
+def fenced_writer(path: str, table: str, seconds: float) -> int:
+    """Insert a row into ``table`` every ~50 ms, each inside ``lease.fenced(conn)``."""
+    import sqlalchemy as sa
+
+    lease = current_lease()
+    assert lease is not None, "not running under a pulse lease"
+    mark(path, "start", lease.epoch, os.getpid())
+    insert = sa.text(f"INSERT INTO {table} (task_id, epoch, seq) VALUES (:t, :e, :s)")
+    seq = 0
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            try:
+                with store_engine().connect() as conn, lease.fenced(conn):
+                    conn.execute(insert, {"t": lease.task_id, "e": lease.epoch, "s": seq})
+                seq += 1
+            except sa.exc.DBAPIError as exc:  # e.g. the fenced transaction timed out
+                mark(path, "db-error", type(exc.orig).__name__)
+            time.sleep(0.05)
+    except LeaseLost as exc:
+        # "store": the fenced transaction was refused by the store; "local": the
+        # worker's revocation or the local deadline.
+        by_store = "refused" in str(exc) or "expired before" in str(exc)
+        mark(path, "lost", repr(time.time()), lease.epoch, seq, "store" if by_store else "local")
+        raise
+    mark(path, "end", lease.epoch, seq)
+    return seq
+
+
+@app.task(name="pulseapp.stubborn")
+def stubborn(path: str, seconds: float) -> None:
+    """Catches and ignores LeaseLost: only the hard stop can end it early."""
+    mark(path, "start", os.getpid())
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.05)
+            mark(path, "tick", repr(time.time()))
+        except LeaseLost:
+            mark(path, "ignored", repr(time.time()))
+    mark(path, "end")
+
+
+@app.task(name="pulseapp.retry_once", bind=True, max_retries=3)
+def retry_once(self: Any, path: str) -> int:
+    """Retries once (no countdown), then succeeds; records the epoch of each attempt."""
+    lease = current_lease()
+    epoch = lease.epoch if lease else 0
+    mark(path, "attempt", self.request.retries, epoch)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return epoch

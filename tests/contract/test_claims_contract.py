@@ -1,0 +1,531 @@
+"""The task-claims contract (see ``celery_pulse.store.base.ClaimStore``), on every SQL store.
+
+Each test runs once per store (``[sqlite]``, ``[postgres]``). "Expired" is always
+decided by the store clock: tests that need an expiry use a short TTL and poll
+with a deadline, never compare their own clock with a stored timestamp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from celery_pulse.errors import InvalidConfig, LeaseLost
+from celery_pulse.lease import Lease
+from celery_pulse.store.base import (
+    FAILED,
+    OPEN,
+    RESERVED,
+    RETRY,
+    RUNNING,
+    SUCCEEDED,
+    ClaimInfo,
+    Completion,
+    Grant,
+    Message,
+    Refusal,
+    ReserveRequest,
+)
+from celery_pulse.store.sql import SqlStore
+from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.fence import make_fencer
+from celery_pulse.store.sql.tables import claims, evidence
+
+TTL = 30.0
+W1, W2 = "w1@host", "w2@host"
+#: Not valid UTF-8 on purpose: the message must be stored byte-exact.
+BODY = b'[["a", 1], {}, {}]\xff\x00\xfe'
+
+
+# -- helpers ---------------------------------------------------------------------------
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def request(task_id: str | None = None, *, max_attempts: int = 10, retries: int = 0,
+            policy: str = "redispatch", body: bytes = BODY) -> ReserveRequest:
+    task_id = task_id or uuid.uuid4().hex
+    message = Message(body, {"id": task_id, "task": "proj.add", "retries": retries},
+                      {"correlation_id": task_id, "reply_to": "r-1", "priority": 0},
+                      {"exchange": "", "routing_key": "celery"},
+                      "application/json", "utf-8")
+    return ReserveRequest(task_id, "proj.add", message, policy, max_attempts, retries)
+
+
+def grant(store: SqlStore, holder: str, req: ReserveRequest, ttl: float = TTL) -> Grant:
+    (result,) = store.reserve(holder, [req], ttl)
+    assert isinstance(result, Grant), result
+    return result
+
+
+def refusal(store: SqlStore, holder: str, req: ReserveRequest, ttl: float = TTL) -> Refusal:
+    (result,) = store.reserve(holder, [req], ttl)
+    assert isinstance(result, Refusal), result
+    return result
+
+
+def key(g: Grant) -> tuple[str, int, str]:
+    return (g.task_id, g.epoch, g.token)
+
+
+def claim(store: SqlStore, task_id: str) -> ClaimInfo:
+    found = [c for c in store.list_claims() if c.task_id == task_id]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def row(store: SqlStore, task_id: str) -> Any:
+    with store.engine.connect() as conn:
+        return conn.execute(sa.select(claims).where(claims.c.task_id == task_id)).one()
+
+
+def evidence_rows(store: SqlStore, task_id: str) -> list[Any]:
+    with store.engine.connect() as conn:
+        return list(conn.execute(sa.select(evidence).where(evidence.c.task_id == task_id)))
+
+
+def expired(store: SqlStore, task_id: str) -> bool:
+    remaining = claim(store, task_id).lease_remaining
+    return remaining is not None and remaining <= 0
+
+
+def complete(store: SqlStore, holder: str, g: Grant, outcome: str = SUCCEEDED,
+             error: str | None = None) -> str:
+    result = store.complete(holder, [Completion(g.task_id, g.epoch, g.token, outcome, error)])
+    return result[g.task_id]
+
+
+# -- reserve -----------------------------------------------------------------------------
+def test_reserve_grants_epoch_1_and_stores_the_message_byte_exact(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    assert (g.epoch, g.attempts) == (1, 1)
+    assert len(g.token) >= 32 and g.token not in repr(g)  # 128 bits of hex, masked in repr
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.holder, info.epoch, info.task_name) == (RESERVED, W1, 1, "proj.add")
+    assert info.lease_remaining is not None and TTL - 5 < info.lease_remaining <= TTL
+    stored = row(sql_store, req.task_id)
+    assert bytes(stored.body) == BODY
+    assert stored.token == g.token
+    assert (stored.content_type, stored.content_encoding) == ("application/json", "utf-8")
+    assert json.loads(stored.headers)["id"] == req.task_id
+    assert json.loads(stored.properties)["reply_to"] == "r-1"
+    assert json.loads(stored.delivery_info)["routing_key"] == "celery"
+
+
+def test_tokens_are_fresh_per_grant(sql_store: SqlStore) -> None:
+    tokens = {grant(sql_store, W1, request()).token for _ in range(20)}
+    assert len(tokens) == 20
+
+
+def test_second_holder_is_refused_taken(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    r = refusal(sql_store, W2, req)
+    assert (r.reason, r.state, r.holder, r.epoch) == ("taken", RESERVED, W1, 1)
+    assert row(sql_store, req.task_id).token == g.token  # untouched
+
+
+def test_same_holder_may_reserve_again_under_a_new_epoch(sql_store: SqlStore) -> None:
+    req = request()
+    first = grant(sql_store, W1, req)
+    again = grant(sql_store, W1, req)
+    assert (again.epoch, again.attempts) == (2, 2)
+    assert again.token != first.token
+    # The old credential no longer renews.
+    renewed, busy = sql_store.renew(W1, [key(first)], TTL)
+    assert (renewed, busy) == (set(), set())
+
+
+def test_same_id_twice_in_one_batch_is_granted_once(sql_store: SqlStore) -> None:
+    req = request()
+    results = sql_store.reserve(W1, [req, req], TTL)
+    assert isinstance(results[0], Grant) and isinstance(results[1], Refusal)
+    assert results[1].reason == "taken"
+
+
+def test_a_batch_mixes_grants_and_refusals(sql_store: SqlStore) -> None:
+    held = request()
+    grant(sql_store, W2, held)
+    fresh = [request() for _ in range(5)]
+    results = sql_store.reserve(W1, [fresh[0], held, *fresh[1:]], TTL)
+    assert [type(r).__name__ for r in results] == ["Grant", "Refusal", *["Grant"] * 4]
+    assert [r.task_id for r in results] == [fresh[0].task_id, held.task_id,
+                                           *(f.task_id for f in fresh[1:])]
+
+
+def test_finished_claim_is_refused_terminal(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    assert complete(sql_store, W1, g) == "applied"
+    for holder in (W1, W2):
+        r = refusal(sql_store, holder, req)
+        assert (r.reason, r.state) == ("terminal", SUCCEEDED)
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.epoch, info.attempts) == (SUCCEEDED, 1, 1)
+
+
+def test_exhausted_budget_fails_the_claim(sql_store: SqlStore) -> None:
+    req = request(max_attempts=2)
+    grant(sql_store, W1, req)
+    second = grant(sql_store, W1, req)
+    assert second.attempts == 2
+    sql_store.release(W1, [key(second)])
+    wait_until(lambda: expired(sql_store, req.task_id), what="the release to expire the lease")
+    r = refusal(sql_store, W2, req)
+    assert r.reason == "exhausted"
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.attempts, info.holder) == (FAILED, 2, W1)
+    assert info.lease_remaining is None
+    assert info.error and "exhausted" in info.error
+    # From now on it is simply finished.
+    assert refusal(sql_store, W2, req).reason == "terminal"
+
+
+def test_running_review_claim_is_not_regranted_even_to_its_holder(sql_store: SqlStore) -> None:
+    req = request(policy="review")
+    g = grant(sql_store, W1, req)
+    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL) is not None
+    assert refusal(sql_store, W1, req).reason == "taken"
+    assert refusal(sql_store, W2, req).reason == "taken"
+    assert claim(sql_store, req.task_id).state == RUNNING
+
+
+# -- start -------------------------------------------------------------------------------
+def test_start_only_from_a_live_reservation_with_the_right_credential(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    assert sql_store.start(W1, req.task_id, g.epoch, "0" * 32, TTL) is None
+    assert sql_store.start(W1, req.task_id, g.epoch + 1, g.token, TTL) is None
+    assert sql_store.start(W2, req.task_id, g.epoch, g.token, TTL) is None
+    assert claim(sql_store, req.task_id).state == RESERVED
+    until = sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    assert until is not None and until > sql_store.now()
+    info = claim(sql_store, req.task_id)
+    assert info.state == RUNNING and info.started_at is not None
+    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL) is None  # already running
+
+
+def test_start_refused_once_the_reservation_expired(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req, ttl=0.3)
+    wait_until(lambda: expired(sql_store, req.task_id), what="the reservation to expire")
+    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL) is None
+    assert claim(sql_store, req.task_id).state == RESERVED
+
+
+def test_start_refused_after_a_takeover(sql_store: SqlStore) -> None:
+    req = request()
+    old = grant(sql_store, W1, req)
+    sql_store.release(W1, [key(old)])
+    grant(sql_store, W2, req)
+    assert sql_store.start(W1, req.task_id, old.epoch, old.token, TTL) is None
+
+
+# -- renew -------------------------------------------------------------------------------
+def test_renew_checks_holder_token_and_epoch(sql_store: SqlStore) -> None:
+    good, wrong_token, wrong_epoch = (grant(sql_store, W1, request()) for _ in range(3))
+    running = grant(sql_store, W1, request())
+    assert sql_store.start(W1, running.task_id, running.epoch, running.token, TTL)
+    other = grant(sql_store, W2, request())
+    before = claim(sql_store, good.task_id).lease_remaining
+    renewed, busy = sql_store.renew(W1, [
+        key(good), (wrong_token.task_id, wrong_token.epoch, "f" * 32),
+        (wrong_epoch.task_id, wrong_epoch.epoch + 1, wrong_epoch.token), key(running),
+        key(other)], 120.0)
+    assert renewed == {good.task_id, running.task_id}
+    assert busy == set()
+    after = claim(sql_store, good.task_id).lease_remaining
+    assert before is not None and after is not None and after > before + 60
+    # Leases not renewed keep their old expiry; the other holder's lease is untouched.
+    assert (claim(sql_store, wrong_token.task_id).lease_remaining or 0) <= TTL
+    assert (claim(sql_store, other.task_id).lease_remaining or 0) <= TTL
+
+
+def test_renew_in_one_call_covers_many_leases(sql_store: SqlStore) -> None:
+    grants = [grant(sql_store, W1, request()) for _ in range(50)]
+    renewed, _ = sql_store.renew(W1, [key(g) for g in grants], TTL)
+    assert renewed == {g.task_id for g in grants}
+
+
+def test_lease_expires_by_store_clock(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req, ttl=0.3)
+    # Live now: another holder is refused (unless this very slow machine took > 0.3 s).
+    first = sql_store.reserve(W2, [req], TTL)[0]
+    if isinstance(first, Grant):
+        pytest.skip("the store took longer than the 0.3 s TTL between two statements")
+    assert first.reason == "taken"
+    taken = wait_until(lambda: next(iter(
+        r for r in sql_store.reserve(W2, [req], TTL) if isinstance(r, Grant)), None),
+        timeout=10, what="the 0.3 s lease to expire by the store clock")
+    assert (taken.epoch, taken.attempts) == (2, 2)
+    # The expired lease can no longer be renewed by its old holder.
+    assert sql_store.renew(W1, [key(g)], TTL) == (set(), set())
+    assert claim(sql_store, req.task_id).holder == W2
+
+
+def test_expired_lease_is_not_renewed(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req, ttl=0.3)
+    wait_until(lambda: expired(sql_store, req.task_id), what="the lease to expire")
+    assert sql_store.renew(W1, [key(g)], TTL) == (set(), set())
+    assert expired(sql_store, req.task_id)
+
+
+# -- complete ----------------------------------------------------------------------------
+def test_complete_records_outcome_and_error(sql_store: SqlStore) -> None:
+    ok, bad = grant(sql_store, W1, request()), grant(sql_store, W1, request())
+    assert sql_store.start(W1, ok.task_id, ok.epoch, ok.token, TTL)
+    result = sql_store.complete(W1, [
+        Completion(ok.task_id, ok.epoch, ok.token, SUCCEEDED),
+        Completion(bad.task_id, bad.epoch, bad.token, FAILED, "ValueError('boom')")])
+    assert result == {ok.task_id: "applied", bad.task_id: "applied"}
+    done, failed = claim(sql_store, ok.task_id), claim(sql_store, bad.task_id)
+    assert (done.state, done.outcome, done.lease_remaining) == (SUCCEEDED, SUCCEEDED, None)
+    assert done.finished_at is not None and done.error is None
+    assert (failed.state, failed.error) == (FAILED, "ValueError('boom')")
+    assert row(sql_store, ok.task_id).token is None  # the credential is gone
+
+
+def test_repeated_completion_is_a_duplicate(sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request())
+    assert complete(sql_store, W1, g) == "applied"
+    assert complete(sql_store, W1, g) == "duplicate"
+    assert evidence_rows(sql_store, g.task_id) == []
+    assert claim(sql_store, g.task_id).state == SUCCEEDED
+
+
+def test_stale_completion_is_evidence_only(sql_store: SqlStore) -> None:
+    req = request()
+    stale = grant(sql_store, W1, req)
+    assert sql_store.release(W1, [key(stale)]) == 1
+    current = grant(sql_store, W2, req)
+    assert current.epoch == 2
+    assert complete(sql_store, W1, stale, FAILED, "late") == "evidence"
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.holder, info.epoch, info.outcome) == (RESERVED, W2, 2, None)
+    assert row(sql_store, req.task_id).token == current.token
+    (ev,) = evidence_rows(sql_store, req.task_id)
+    assert (ev.epoch, ev.holder, ev.outcome, ev.error) == (1, W1, FAILED, "late")
+    # The current holder still completes normally; the stale one never overrides it.
+    assert complete(sql_store, W2, current) == "applied"
+    assert complete(sql_store, W1, stale, FAILED, "later") == "evidence"
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.epoch) == (SUCCEEDED, 2)
+    assert len(evidence_rows(sql_store, req.task_id)) == 2
+
+
+def test_retry_completion_opens_the_claim_for_the_next_delivery(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    assert complete(sql_store, W1, g, RETRY) == "applied"
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.lease_remaining, info.finished_at) == (OPEN, None, None)
+    retried = grant(sql_store, W2, request(req.task_id, retries=1))
+    assert (retried.epoch, retried.attempts) == (2, 2)
+    assert claim(sql_store, req.task_id).state == RESERVED
+    assert row(sql_store, req.task_id).retries == 1
+
+
+# -- release and purge ---------------------------------------------------------------------
+def test_release_expires_a_reservation_for_another_holder(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    assert refusal(sql_store, W2, req).reason == "taken"
+    assert sql_store.release(W2, [key(g)]) == 0  # only the holder may release
+    assert sql_store.release(W1, [(g.task_id, g.epoch, "0" * 32)]) == 0  # with its token
+    assert sql_store.release(W1, [key(g)]) == 1
+    assert expired(sql_store, req.task_id)
+    taken = grant(sql_store, W2, req)
+    assert taken.epoch == 2
+
+
+def test_release_leaves_running_claims_alone(sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request())
+    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    assert sql_store.release(W1, [key(g)]) == 0
+    info = claim(sql_store, g.task_id)
+    assert info.state == RUNNING and (info.lease_remaining or 0) > 0
+
+
+def test_purge_removes_only_old_finished_claims(sql_store: SqlStore) -> None:
+    done, failed, live = (grant(sql_store, W1, request()) for _ in range(3))
+    assert complete(sql_store, W1, done) == "applied"
+    assert complete(sql_store, W1, failed, FAILED, "x") == "applied"
+    assert sql_store.purge_finished(older_than=3600) == 0
+    assert {c.task_id for c in sql_store.list_claims()} >= {done.task_id, failed.task_id}
+    wait_until(lambda: sql_store.purge_finished(older_than=0.05) == 2 or
+               not {done.task_id, failed.task_id} & {c.task_id for c in sql_store.list_claims()},
+               what="finished claims to be purged")
+    ids = {c.task_id for c in sql_store.list_claims()}
+    assert done.task_id not in ids and failed.task_id not in ids
+    assert live.task_id in ids
+
+
+def test_purge_works_in_bounded_batches(sql_store: SqlStore) -> None:
+    grants = [grant(sql_store, W1, request()) for _ in range(7)]
+    sql_store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED) for g in grants])
+    wait_until(lambda: sql_store.now() - max(
+        c.finished_at or 0 for c in sql_store.list_claims()) > 0.1, what="time to pass")
+    assert sql_store.purge_finished(older_than=0.05, limit=3) == 3
+    assert sql_store.purge_finished(older_than=0.05, limit=3) == 3
+    assert sql_store.purge_finished(older_than=0.05, limit=3) == 1
+    assert sql_store.list_claims() == []
+
+
+def test_claim_counts(sql_store: SqlStore) -> None:
+    _, b, c = (grant(sql_store, W1, request()) for _ in range(3))
+    assert sql_store.start(W1, b.task_id, b.epoch, b.token, TTL)
+    complete(sql_store, W1, c)
+    grant(sql_store, W1, request(), ttl=0.2)
+    wait_until(lambda: sql_store.claim_counts().get("expired") == 1, what="one expired claim")
+    counts = sql_store.claim_counts()
+    assert counts[RESERVED] == 2 and counts[RUNNING] == 1 and counts[SUCCEEDED] == 1
+
+
+# -- lease.fenced(conn) on the store's database ------------------------------------------
+def _store_url(store: SqlStore) -> str:
+    return store.engine.url.render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def _probe(store: SqlStore) -> Iterator[tuple[sa.Engine, sa.Table]]:
+    engine = sa.create_engine(_store_url(store))
+    table = sa.Table("fence_probe", sa.MetaData(), sa.Column("task_id", sa.String(64)),
+                     sa.Column("epoch", sa.Integer), sa.Column("note", sa.String(32)))
+    table.create(engine)
+    try:
+        yield engine, table
+    finally:
+        table.drop(engine)
+        engine.dispose()
+
+
+def _lease(store: SqlStore, g: Grant, holder: str = W1) -> Lease:
+    far = time.monotonic() + 3600
+    return Lease(g.task_id, g.epoch, g.token, holder, read_deadline=lambda: (far, False),
+                 fencer=make_fencer(_store_url(store), TTL), initial_deadline=far)
+
+
+def _notes(engine: sa.Engine, table: sa.Table) -> list[tuple[int, str]]:
+    with engine.connect() as conn:
+        return [(r.epoch, r.note) for r in conn.execute(sa.select(table.c.epoch, table.c.note))]
+
+
+def test_fenced_write_commits_only_while_the_epoch_holds(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    lease = _lease(sql_store, g)
+    with _probe(sql_store) as (engine, table):
+        with engine.connect() as conn, lease.fenced(conn):
+            conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="held"))
+        # A takeover (as Recover would do it): new epoch and token, by the store clock.
+        now = Dialect(sql_store.engine.dialect.name).now()
+        with sql_store.engine.begin() as conn:
+            moved = conn.execute(sa.update(claims).where(claims.c.task_id == g.task_id).values(
+                epoch=claims.c.epoch + 1, holder="thief", token="x" * 32,
+                lease_until=now + 60)).rowcount
+        assert moved == 1
+        with pytest.raises(LeaseLost), engine.connect() as conn, lease.fenced(conn):
+            conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="stale"))
+        assert lease.lost
+        assert _notes(engine, table) == [(1, "held")]
+        assert claim(sql_store, g.task_id).holder == "thief"
+
+
+def test_fenced_write_rolls_back_when_the_lease_ends_inside_the_block(sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request())
+    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    lost = False
+    far = time.monotonic() + 3600
+    lease = Lease(g.task_id, g.epoch, g.token, W1, read_deadline=lambda: (far, lost),
+                  fencer=make_fencer(_store_url(sql_store), TTL), initial_deadline=far)
+    with _probe(sql_store) as (engine, table):
+        with pytest.raises(LeaseLost), engine.connect() as conn, lease.fenced(conn):
+            conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="x"))
+            lost = True  # the worker revoked the lease while the block ran
+        assert _notes(engine, table) == []
+
+
+def test_fenced_write_refused_on_a_reservation_not_started(sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request())
+    lease = _lease(sql_store, g)
+    with _probe(sql_store) as (engine, table):
+        with pytest.raises(LeaseLost), engine.connect() as conn, lease.fenced(conn):
+            conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="x"))
+        assert _notes(engine, table) == []
+
+
+def test_fenced_rejects_another_database_and_open_transactions(
+        sql_store: SqlStore, tmp_path: Any) -> None:
+    g = grant(sql_store, W1, request())
+    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    lease = _lease(sql_store, g)
+    other = sa.create_engine(f"sqlite:///{tmp_path / 'other.sqlite3'}")
+    with pytest.raises(InvalidConfig), other.connect() as conn, lease.fenced(conn):
+        pass
+    other.dispose()
+    engine = sa.create_engine(_store_url(sql_store))
+    with engine.connect() as conn:
+        conn.execute(sa.select(1))  # autobegins a transaction
+        with pytest.raises(InvalidConfig), lease.fenced(conn):
+            pass
+    engine.dispose()
+
+
+def test_renew_skips_a_row_held_by_a_fenced_transaction_as_busy(sql_store: SqlStore) -> None:
+    """PostgreSQL: a lease whose row another transaction holds is reported ``busy``: still
+    valid, not extended, and the renewal does not wait for the lock."""
+    if not sql_store.dialect.is_postgres:
+        pytest.skip("SQLite locks the whole database: there are no row locks to skip")
+    held, free = grant(sql_store, W1, request()), grant(sql_store, W1, request())
+    before = row(sql_store, held.task_id).lease_until
+    with sql_store.engine.connect() as locker:
+        locker.execute(sa.select(claims.c.task_id).where(claims.c.task_id == held.task_id)
+                       .with_for_update())
+        started = time.monotonic()
+        renewed, busy = sql_store.renew(W1, [key(held), key(free)], 120.0)
+        assert time.monotonic() - started < 2.0
+        assert (renewed, busy) == ({free.task_id}, {held.task_id})
+        locker.rollback()
+    assert row(sql_store, held.task_id).lease_until == before
+
+
+def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(sql_store: SqlStore) -> None:
+    """PostgreSQL: a holder paused inside ``lease.fenced`` never pins the claim row."""
+    if not sql_store.dialect.is_postgres:
+        pytest.skip("the transaction timeouts are PostgreSQL settings")
+    g = grant(sql_store, W1, request())
+    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    ttl = 0.5
+    far = time.monotonic() + 3600
+    lease = Lease(g.task_id, g.epoch, g.token, W1, read_deadline=lambda: (far, False),
+                  fencer=make_fencer(_store_url(sql_store), ttl), initial_deadline=far)
+    with _probe(sql_store) as (engine, table):
+        with pytest.raises(sa.exc.DBAPIError), engine.connect() as conn, lease.fenced(conn):
+            conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="x"))
+            # Another session can take the row once the idle transaction is gone.
+            with sql_store.engine.begin() as other:
+                other.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+                taken = other.execute(sa.update(claims).where(claims.c.task_id == g.task_id)
+                                      .values(holder="thief")).rowcount
+            assert taken == 1
+            conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="y"))
+        assert _notes(engine, table) == []
