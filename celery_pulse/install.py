@@ -62,14 +62,6 @@ def install(app: Any) -> Any:
         from celery_pulse.embedded import atomic_filesystem_puts
 
         atomic_filesystem_puts()  # kombu#1551: a half-written message kills a consumer
-    from celery.signals import worker_process_init
-
-    from celery_pulse.pool.child import install_signal_handler
-
-    # Armed from the moment a pool child exists: a revocation that lands before the
-    # task body must not hit SIGUSR2's default action (which kills the child).
-    worker_process_init.connect(install_signal_handler, weak=False,
-                                dispatch_uid="celery-pulse-lease-signal")
     app.Task.Strategy = "celery_pulse.strategy:factory"
     app.steps["worker"].add(Runtime)
     app.steps["consumer"].add(Registry)

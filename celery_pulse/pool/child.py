@@ -41,7 +41,6 @@ class ChildContext:
 _context: ChildContext | None = None
 _store: Any = None
 _armed: tuple[Lease, frozenset[CodeType]] | None = None
-_handler_installed = False
 _codes: dict[str, frozenset[CodeType]] = {}
 
 
@@ -99,17 +98,11 @@ def _on_lease_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def _install_handler() -> None:
-    global _handler_installed
-    if not _handler_installed:
+    # Checked every time, not remembered: billiard resets "termination" signals
+    # (SIGUSR2 among them) in each new child after Celery's process initializer ran,
+    # so a handler installed from ``worker_process_init`` does not survive.
+    if signal.getsignal(LEASE_SIGNAL) is not _on_lease_signal:
         signal.signal(LEASE_SIGNAL, _on_lease_signal)
-        _handler_installed = True
-
-
-def install_signal_handler(**_kwargs: Any) -> None:
-    """``worker_process_init`` receiver: a late signal is then ignored, never fatal."""
-    global _handler_installed
-    _handler_installed = False
-    _install_handler()
 
 
 def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
