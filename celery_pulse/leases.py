@@ -53,6 +53,8 @@ class LocalClaim:
     lost_at: float | None = None
     lost_reason: str = ""
     hard_stopped: bool = False
+    #: Counted in ``LeaseKeeper.unstarted()`` (a reservation waiting for a pool slot).
+    counted: bool = False
     #: Opaque adapter data (the Celery request).
     request: Any = None
 
@@ -119,6 +121,7 @@ class LeaseKeeper:
         self.listener = listener
         self.monotonic = monotonic
         self.claims: dict[str, LocalClaim] = {}
+        self._unstarted = 0
         self.counters = Counters()
         self._lock = threading.RLock()
         self._ops: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
@@ -157,7 +160,9 @@ class LeaseKeeper:
             unstarted = [c for c in self.claims.values() if c.state == RESERVED]
         now = self.monotonic()
         for claim in unstarted:
-            claim.state = LOST
+            with self._lock:
+                self._uncount(claim)
+                claim.state = LOST
             claim.lost_at = now
             claim.lost_reason = why
         if not unstarted:
@@ -172,9 +177,15 @@ class LeaseKeeper:
     # -- the local table ------------------------------------------------------
     def add(self, grant: Grant, sent_at: float, retries: int, scheduled: bool) -> LocalClaim:
         claim = LocalClaim(grant.task_id, grant.epoch, grant.token,
-                           sent_at + self.ttl - self.margin, retries, scheduled=scheduled)
+                           sent_at + self.ttl - self.margin, retries, scheduled=scheduled,
+                           counted=not scheduled)
         with self._lock:
+            old = self.claims.get(claim.task_id)
+            if old is not None:
+                self._uncount(old)
             self.claims[claim.task_id] = claim
+            if claim.counted:
+                self._unstarted += 1
         return claim
 
     def get(self, task_id: str) -> LocalClaim | None:
@@ -183,14 +194,28 @@ class LeaseKeeper:
 
     def forget(self, claim: LocalClaim) -> None:
         with self._lock:
+            self._uncount(claim)
             if self.claims.get(claim.task_id) is claim:
                 del self.claims[claim.task_id]
 
-    def unstarted(self) -> int:
-        """Reservations waiting for a pool slot (prefetch accounting; ETA ones excluded)."""
+    def mark_running(self, claim: LocalClaim) -> None:
+        """A pool child accepted the job (it authorises the start in the store)."""
         with self._lock:
-            return sum(1 for c in self.claims.values()
-                       if c.state == RESERVED and not c.scheduled)
+            if claim.state == RESERVED:
+                self._uncount(claim)
+                claim.state = RUNNING
+
+    def _uncount(self, claim: LocalClaim) -> None:
+        if claim.counted:
+            claim.counted = False
+            self._unstarted -= 1
+
+    def unstarted(self) -> int:
+        """Reservations waiting for a pool slot (prefetch accounting; ETA ones excluded).
+
+        A counter kept on every transition: this runs several times per task.
+        """
+        return self._unstarted
 
     def is_live(self, claim: LocalClaim) -> bool:
         return claim.state != LOST and self.monotonic() < claim.deadline
@@ -366,6 +391,7 @@ class LeaseKeeper:
             if claim.state == LOST:
                 return
             was = claim.state
+            self._uncount(claim)
             claim.state = LOST
             claim.lost_at = self.monotonic()
         claim.lost_reason = reason

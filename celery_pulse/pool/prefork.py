@@ -19,7 +19,7 @@ from celery.exceptions import Ignore, Retry
 from celery.worker import state as worker_state
 
 from celery_pulse.errors import LeaseLost
-from celery_pulse.leases import LOST, RESERVED, RUNNING, LocalClaim
+from celery_pulse.leases import LOST, RESERVED, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.store.base import FAILED, RETRY, SUCCEEDED
 
@@ -63,7 +63,7 @@ class TaskPool(prefork.TaskPool):
         def accepted(pid: int, time_accepted: float) -> Any:
             claim.pid = pid
             if claim.state == RESERVED:
-                claim.state = RUNNING
+                self.pulse.keeper.mark_running(claim)
             elif claim.state == LOST:  # lost while waiting for a child: cancel right away
                 self.pulse.on_lost(claim)
             self.pulse.update_prefetch_gate()
