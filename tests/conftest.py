@@ -54,6 +54,14 @@ def sql_store(store_url: str) -> Iterator[SqlStore]:
 
 
 @pytest.fixture
+def pg_store(pg_url: str) -> Iterator[SqlStore]:
+    """The SQL store on PostgreSQL only (for behaviour SQLite has no equivalent of)."""
+    store = _migrated(pg_url)
+    yield store
+    store.close()
+
+
+@pytest.fixture
 def private_pg() -> Iterator[PrivatePostgres]:
     """A PostgreSQL server of this test's own, which the test may stop and start."""
     services.require("postgres")

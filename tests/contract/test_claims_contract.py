@@ -490,11 +490,11 @@ def test_fenced_rejects_another_database_and_open_transactions(
     engine.dispose()
 
 
-def test_renew_skips_a_row_held_by_a_fenced_transaction_as_busy(sql_store: SqlStore) -> None:
+def test_renew_skips_a_row_held_by_a_fenced_transaction_as_busy(pg_store: SqlStore) -> None:
     """PostgreSQL: a lease whose row another transaction holds is reported ``busy``: still
-    valid, not extended, and the renewal does not wait for the lock."""
-    if not sql_store.dialect.is_postgres:
-        pytest.skip("SQLite locks the whole database: there are no row locks to skip")
+    valid, not extended, and the renewal does not wait for the lock. (SQLite locks the
+    whole database: there are no row locks to skip.)"""
+    sql_store = pg_store
     held, free = grant(sql_store, W1, request()), grant(sql_store, W1, request())
     before = row(sql_store, held.task_id).lease_until
     with sql_store.engine.connect() as locker:
@@ -508,10 +508,10 @@ def test_renew_skips_a_row_held_by_a_fenced_transaction_as_busy(sql_store: SqlSt
     assert row(sql_store, held.task_id).lease_until == before
 
 
-def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(sql_store: SqlStore) -> None:
-    """PostgreSQL: a holder paused inside ``lease.fenced`` never pins the claim row."""
-    if not sql_store.dialect.is_postgres:
-        pytest.skip("the transaction timeouts are PostgreSQL settings")
+def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(pg_store: SqlStore) -> None:
+    """PostgreSQL: a holder paused inside ``lease.fenced`` never pins the claim row (the
+    transaction timeouts are PostgreSQL settings)."""
+    sql_store = pg_store
     g = grant(sql_store, W1, request())
     assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
     ttl = 0.5

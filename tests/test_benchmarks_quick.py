@@ -1,0 +1,50 @@
+"""The benchmark runner's quick mode, end to end, so that it does not rot.
+
+Runs ``python -m benchmarks run --quick --output <tmp>`` in a subprocess (real workers,
+brokers, PostgreSQL, RedBeat) and checks only that it finished and wrote its report:
+no timing is asserted here (that is what the report itself is for).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import services
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.benchmark
+@pytest.mark.timeout(330)
+def test_benchmark_quick_mode_runs_and_writes_its_report(tmp_path: Path) -> None:
+    for name in ("postgres", "rabbitmq", "redis"):
+        services.require(name)
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "run", "--quick", "--output", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
+    # The console table.
+    assert "Verdict" in proc.stdout and "Throughput" in proc.stdout, proc.stdout
+    # The markdown page: summary table plus one section per measurement, none failed.
+    page = (out / "benchmarks.md").read_text()
+    assert "| What | pulse | Baseline | Ratio / detail | Target | Verdict |" in page
+    assert "python -m benchmarks run --quick" in page
+    for section in ("1. Throughput", "2. SQL cost", "3. Store scale", "4. Recovery",
+                    "5. Leader failover", "6. Lease-loss reaction", "7. Memory"):
+        assert f"## {section}" in page, section
+    assert "This section failed" not in page
+    assert page.count("**What this means.**") >= 7
+    # Raw results and the plots the page links to.
+    results = json.loads((out / "benchmarks.json").read_text())
+    assert not [k for k, v in results["sections"].items() if "error" in v]
+    for image in ("throughput", "cpu_per_task", "sql_cost", "store_scale", "recovery",
+                  "failover", "lease_loss", "memory"):
+        png = out / "img" / f"{image}.png"
+        assert png.stat().st_size > 1000, png
+        assert f"img/{image}.png" in page
