@@ -12,6 +12,7 @@ Per delivery (on the consumer loop):
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,8 @@ class Intake:
         self.keeper = pulse.keeper
         self.loop: LoopCaller = pulse.loop
         self.pending = 0
+        #: Deliveries over the prefetch limit, not acknowledged, in arrival order.
+        self.waiting: collections.deque[tuple[Any, ...]] = collections.deque()
         self._store_down = False
         self._backoff = 0.1
 
@@ -71,7 +74,7 @@ class Intake:
         max_attempts = int(getattr(task, "pulse_max_attempts", None) or settings.max_attempts)
 
         def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
-                    **kwargs: Any) -> None:
+                    admitted: bool = False, **kwargs: Any) -> None:
             headers = message.headers or {}
             task_id = headers.get("id")
             if not task_id:  # task protocol 1: not leased
@@ -87,16 +90,16 @@ class Intake:
                 # A retry of a task we still run: wait until that attempt completes.
                 self.loop.later(0.2, handler, message, body, ack, reject, callbacks)
                 return None
-            if self._over_prefetch_limit(headers):
-                # Delivered after the gate closed (already in flight from the broker):
-                # hand it back unacknowledged rather than hold more than the limit.
-                message.reject(requeue=True)
-                self.pulse.update_prefetch_gate()
+            if not admitted and (self.waiting or self._over_prefetch_limit(headers)):
+                # Keep it unacknowledged (the broker still owns it) until a reservation
+                # starts. Unacked deliveries count against the broker's own prefetch
+                # limit (basic.qos), so the broker stops sending by itself: no consumer
+                # toggling per task.
+                self.waiting.append((handler, message, body, ack, reject, callbacks))
                 return None
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries)
             self.pending += 1
-            self.pulse.update_prefetch_gate()
 
             def on_result(result: Any, sent: float) -> None:
                 self.loop.call(self._settle, result, sent, request, message, body, callbacks,
@@ -110,11 +113,22 @@ class Intake:
 
         return handler
 
+    def drain_waiting(self) -> None:
+        """Reserve held deliveries while there is room under the prefetch limit."""
+        while self.waiting and not self._over_prefetch_limit({}):
+            handler, *args = self.waiting.popleft()
+            handler(*args, admitted=True)
+
+    def forget_waiting(self) -> int:
+        """After a broker reconnect: their delivery tags are dead; the broker resends them."""
+        dropped = len(self.waiting)
+        self.waiting.clear()
+        return dropped
+
     def _over_prefetch_limit(self, headers: Any) -> bool:
         """True when reserving one more would exceed ``prefetch multiplier x concurrency``.
 
-        The gate pauses consumption at the mark, but messages the broker pushed before
-        the pause took effect still arrive. ETA/countdown tasks do not count (as in Celery).
+        ETA/countdown tasks do not count (as in Celery).
         """
         limit = int(self.pulse.prefetch_limit or 0)
         if not limit or headers.get("eta"):

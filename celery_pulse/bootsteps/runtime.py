@@ -130,6 +130,8 @@ class PulseWorker:
 
     def release_unstarted(self, why: str) -> None:
         """Give up every reservation not yet started (Celery dropped their requests)."""
+        if self._intake is not None:
+            self._intake.forget_waiting()
         released = self.keeper.release_unstarted(why)
         if released:
             logger.warning("pulse: %d reservation(s) released for immediate re-dispatch: %s",
@@ -208,13 +210,9 @@ class PulseWorker:
         self.loop.call(send)
 
     def update_prefetch_gate(self) -> None:
-        if not self.prefetch_limit or self.gate is None:
-            return
-        waiting = self.keeper.unstarted() + (self._intake.pending if self._intake else 0)
-        if waiting >= self.prefetch_limit:
-            self.gate.close("prefetch limit")
-        else:
-            self.gate.open("prefetch limit")
+        """Room under the prefetch limit may have opened: reserve held deliveries."""
+        if self.prefetch_limit and self._intake is not None and self._intake.waiting:
+            self._intake.drain_waiting()
 
     # -- LeaseListener (renewer thread) ----------------------------------------------
     def on_renewed(self, claims: Sequence[LocalClaim]) -> None:
