@@ -1,0 +1,591 @@
+"""What every benchmark needs: processes (always killed), stores, brokers, /proc readings."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parents[1]
+PG_HOST_URL = os.environ.get("PULSE_BENCH_PG", "postgresql+psycopg://root@127.0.0.1:5432")
+BENCH_DB = os.environ.get("PULSE_BENCH_DB", "pulse_bench")
+RABBIT_URL = os.environ.get("PULSE_BENCH_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+#: A database of its own on the shared Redis, so nobody else's keys get in the way.
+REDIS_URL = os.environ.get("PULSE_BENCH_REDIS", "redis://127.0.0.1:6379/7")
+BROKERS = {"rabbitmq": RABBIT_URL, "redis": REDIS_URL}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class Disturbed(RuntimeError):
+    """Something outside the benchmark interfered with a measurement (e.g. the shared
+    broker force-closed our connections): the measurement is repeated, not reported."""
+
+
+#: Worker log lines that mean the broker dropped the connection during a measurement.
+DISTURBANCE = ("Connection to broker lost", "CONNECTION_FORCED")
+
+
+def retrying(fn: Callable[[], Any], what: str, attempts: int = 3) -> tuple[Any, int]:
+    """``fn()``, repeated (up to ``attempts`` times) while it raises :class:`Disturbed`.
+
+    Returns (result, number of disturbed attempts thrown away).
+    """
+    for attempt in range(attempts):
+        try:
+            return fn(), attempt
+        except Disturbed as exc:
+            kill_all()
+            if attempt == attempts - 1:
+                raise
+            log(f"{what}: disturbed from outside ({exc}); measuring again")
+    raise AssertionError("unreachable")
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+# -- processes -------------------------------------------------------------------------------
+_LIVE: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def spawn(argv: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a new session (its own process group), output to ``log_path``."""
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _LIVE[proc.pid] = proc
+    return proc
+
+
+def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    """Signal the process group of ``proc`` (a session leader we started)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if sig == signal.SIGKILL:
+            os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, sig)
+
+
+def reap(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """SIGKILL the whole group of ``proc`` and wait for it."""
+    kill_group(proc, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout)
+    # Children of a SIGKILLed parent may linger a moment in the same group.
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not group_pids(proc.pid), 5, "the process group to be gone", 0.05)
+    _LIVE.pop(proc.pid, None)
+
+
+def kill_all() -> None:
+    """Kill every process group this runner started and has not reaped (on exit/errors)."""
+    for proc in list(_LIVE.values()):
+        reap(proc, timeout=5)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def memory(pids: list[int]) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) in bytes over ``pids`` (PSS splits shared pages fairly)."""
+    rss = pss = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
+                for line in fh:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return rss, pss
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """CPU time of each of ``pids`` (seconds), all its threads included.
+
+    From ``/proc/<pid>/task/*/schedstat`` (nanoseconds): ``utime``/``stime`` in
+    ``/proc/<pid>/stat`` count whole clock ticks (10 ms), which rounds the many short
+    bits of work of many processes (database backends) down to nothing.
+    Falls back to ``stat`` where schedstat is missing.
+    """
+    out = {}
+    for pid in pids:
+        total = 0.0
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as fh:
+                    total += int(fh.read().split()[0]) / 1e9
+            out[pid] = total
+            continue
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def children_of(ppid: int) -> list[int]:
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == ppid:
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
+# -- a run's scratch space and worker processes ------------------------------------------------
+class Scratch:
+    """A temporary directory for one benchmark run: logs, journals, SQLite files."""
+
+    def __init__(self, keep: bool = False) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pulse-bench-"))
+        self.keep = keep
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}-{uuid.uuid4().hex[:8]}"
+
+    def close(self) -> None:
+        if not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def app_env(broker: str, queue: str, store: str | None = None,
+            conf: dict[str, Any] | None = None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith("BENCH_")]:
+        del env[key]
+    env.update(BENCH_BROKER=broker, BENCH_QUEUE=queue, BENCH_CONF=json.dumps(conf or {}),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")
+    if store:
+        env["BENCH_STORE"] = store
+    env.update(extra)
+    return env
+
+
+class Worker:
+    """One ``celery -A benchmarks.apps worker`` in its own process group."""
+
+    def __init__(self, scratch: Scratch, name: str, *, pool: str, concurrency: int, broker: str,
+                 queue: str, store: str | None = None, conf: dict[str, Any] | None = None,
+                 loglevel: str = "warning", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.ready_file = scratch.path(f"ready-{name}")
+        self.log_path = scratch.path(f"worker-{name}").with_suffix(".log")
+        argv = [sys.executable, "-m", "celery", "-A", "benchmarks.apps", "worker", "-P", pool,
+                "-c", str(concurrency), "-n", f"{name}@bench", "-Q", queue, "-l", loglevel,
+                "--without-mingle", "--without-gossip", "--without-heartbeat", *extra]
+        environ = app_env(broker, queue, store, conf, BENCH_READY_FILE=str(self.ready_file),
+                          **(env or {}))
+        self.started = time.time()
+        self.proc = spawn(argv, environ, self.log_path, scratch.dir)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def ready_at(self) -> float | None:
+        try:
+            text = self.ready_file.read_text().split()
+        except OSError:
+            return None
+        return float(text[-1]) if len(text) >= 3 else None
+
+    def wait_ready(self, timeout: float = 60) -> float:
+        def ready() -> float | None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited ({self.proc.returncode}) before "
+                                   f"ready:\n{self.log()[-3000:]}")
+            return self.ready_at()
+        value: float = wait_for(ready, timeout, f"worker {self.name} to be ready", 0.01)
+        return value
+
+    def pids(self) -> list[int]:
+        return group_pids(self.proc.pid)
+
+    def check_undisturbed(self) -> None:
+        """Raise :class:`Disturbed` if the broker dropped this worker's connection."""
+        text = self.log()
+        for marker in DISTURBANCE:
+            if marker in text:
+                raise Disturbed(f"worker {self.name}: {marker!r} in its log")
+
+    def check_alive(self) -> bool:
+        """Raise if the worker has exited; otherwise False (so it chains after ``or``)."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"worker {self.name} exited ({self.proc.returncode}):\n"
+                               f"{self.log()[-3000:]}")
+        return False
+
+    def terminate(self, timeout: float = 15) -> int | None:
+        """Warm shutdown (SIGTERM to the main process), then SIGKILL whatever is left."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        code = self.proc.poll()
+        reap(self.proc)
+        return code
+
+    def kill(self) -> None:
+        reap(self.proc)
+
+
+@contextlib.contextmanager
+def workers() -> Iterator[list[Worker]]:
+    """A list the caller appends workers to; every one is killed on the way out."""
+    started: list[Worker] = []
+    try:
+        yield started
+    finally:
+        for w in started:
+            w.kill()
+
+
+def celery_cli(broker: str, queue: str, *args: str, store: str | None = None,
+               conf: dict[str, Any] | None = None, timeout: float = 60) -> str:
+    proc = subprocess.run([sys.executable, "-m", "celery", "-A", "benchmarks.apps", *args],
+                          env=app_env(broker, queue, store, conf), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"celery {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+# -- stores ------------------------------------------------------------------------------------
+def pg_url(database: str, base: str = PG_HOST_URL) -> str:
+    return f"{base}/{database}"
+
+
+def schema_url(base: str, schema: str) -> str:
+    """``base`` with every connection's search_path set to ``schema``."""
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}options={quote(f'-csearch_path={schema}')}"
+
+
+def ensure_bench_database() -> str:
+    """The dedicated benchmark database on the shared server (created once)."""
+    engine = sa.create_engine(pg_url("postgres"), isolation_level="AUTOCOMMIT",
+                              poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            exists = conn.execute(sa.text("SELECT 1 FROM pg_database WHERE datname = :d"),
+                                  {"d": BENCH_DB}).first()
+            if exists is None:
+                conn.exec_driver_sql(f'CREATE DATABASE "{BENCH_DB}"')
+    finally:
+        engine.dispose()
+    return pg_url(BENCH_DB)
+
+
+def migrate(url: str) -> None:
+    from celery_pulse.store.sql import open_store
+
+    store = open_store(url, check_schema=False)
+    try:
+        store.migrate()
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def fresh_pg_schema(database_url: str) -> Iterator[str]:
+    """A new, migrated schema in ``database_url``; dropped afterwards."""
+    name = "b_" + uuid.uuid4().hex[:12]
+    engine = sa.create_engine(database_url, isolation_level="AUTOCOMMIT",
+                              poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
+    url = schema_url(database_url, name)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        with contextlib.suppress(Exception), engine.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def fresh_sqlite(scratch: Scratch) -> Iterator[str]:
+    path = scratch.path("store").with_suffix(".sqlite3")
+    url = f"sqlite:///{path}"
+    migrate(url)
+    try:
+        yield url
+    finally:
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{path}{suffix}")
+
+
+@contextlib.contextmanager
+def fresh_store(kind: str, scratch: Scratch, database_url: str) -> Iterator[str]:
+    if kind == "postgres":
+        with fresh_pg_schema(database_url) as url:
+            yield url
+    else:
+        with fresh_sqlite(scratch) as url:
+            yield url
+
+
+def _pg_bin(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    if found:
+        return found[-1]
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"PostgreSQL binary {name} not found")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of the benchmark's own on a free port (stoppable, measurable).
+
+    Durable by default (fsync on, as in production); ``settings`` are passed as ``-c``.
+    Runs as the ``postgres`` OS user when we are root (the server refuses root).
+    """
+
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pulse-bench-pg-")
+        self.data = os.path.join(self.dir, "data")
+        self.port = free_port()
+        self.settings = dict(settings or {})
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+            self._as_user = ["runuser", "-u", "postgres", "--"]
+
+    def _run(self, *args: str) -> None:
+        subprocess.run([*self._as_user, *args], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, timeout=60)
+
+    def init(self) -> PrivatePostgres:
+        self._run(_pg_bin("initdb"), "-D", self.data, "-A", "trust", "-U", "postgres",
+                  "--no-sync", "-E", "UTF8")
+        return self.start()
+
+    def start(self) -> PrivatePostgres:
+        options = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
+        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-t", "30", "-l",
+                  os.path.join(self.dir, "server.log"), "-o",
+                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 {options}",
+                  "start")
+        wait_for(lambda: _port_open(self.port), 30, "the private PostgreSQL to listen", 0.1)
+        return self
+
+    def stop(self) -> None:
+        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-m", "immediate", "stop")
+
+    def postmaster_pid(self) -> int:
+        with open(os.path.join(self.data, "postmaster.pid")) as fh:
+            return int(fh.readline())
+
+    def cpu_seconds(self) -> dict[int, float]:
+        """CPU seconds of the postmaster and every backend and helper it forked."""
+        pid = self.postmaster_pid()
+        return cpu_seconds([pid, *children_of(pid)])
+
+    def destroy(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two :func:`cpu_seconds` readings (new processes count fully)."""
+    return sum(value - before.get(pid, 0.0) for pid, value in after.items())
+
+
+# -- brokers -----------------------------------------------------------------------------------
+def client_app(broker: str, queue: str) -> Any:
+    from celery import Celery
+
+    app = Celery("bench-client", broker=broker, set_as_current=False)
+    app.conf.task_default_queue = queue
+    return app
+
+
+def kombu_queue(name: str) -> Any:
+    from kombu import Exchange, Queue
+
+    return Queue(name, Exchange(name, "direct"), routing_key=name)
+
+
+def declare_queue(broker: str, name: str) -> None:
+    from kombu import Connection
+
+    with Connection(broker) as conn:
+        kombu_queue(name)(conn.default_channel).declare()
+
+
+def delete_queue(broker: str, name: str) -> None:
+    from kombu import Connection
+
+    with contextlib.suppress(Exception), Connection(broker) as conn:
+        kombu_queue(name)(conn.default_channel).delete()
+
+
+def queue_depth(broker: str, name: str) -> int:
+    from kombu import Connection
+
+    with Connection(broker) as conn:
+        _, depth, _ = kombu_queue(name)(conn.default_channel).queue_declare(passive=True)
+        return int(depth)
+
+
+def publish(broker: str, queue: str, calls: list[tuple[str, list[Any]]],
+            options: dict[str, Any] | None = None) -> list[str]:
+    """Publish ``calls`` (task name, args) to ``queue`` over one producer; the task ids."""
+    app = client_app(broker, queue)
+    ids = []
+    try:
+        with app.producer_or_acquire() as producer:
+            for name, args in calls:
+                ids.append(app.send_task(name, args=args, queue=queue, producer=producer,
+                                         **(options or {})).id)
+    finally:
+        app.close()
+    return ids
+
+
+def purge_redis_db(url: str = REDIS_URL) -> None:
+    """Empty the benchmark's own Redis database (left-over queues, unacked, locks)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+# -- machine ----------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    import celery
+    import kombu
+    import psycopg
+
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(), "python": platform.python_version(),
+        "celery": celery.__version__, "kombu": kombu.__version__,
+        "sqlalchemy": sa.__version__, "psycopg": psycopg.__version__,
+        "platform": platform.platform(), "cpu": _cpu_model(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
+    with contextlib.suppress(Exception):
+        engine = sa.create_engine(pg_url("postgres"), poolclass=sa.pool.NullPool)
+        with engine.connect() as conn:
+            info["postgresql"] = conn.exec_driver_sql("SHOW server_version").scalar_one()
+        engine.dispose()
+    with contextlib.suppress(Exception):
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL)
+        info["redis"] = client.info("server")["redis_version"]
+        client.close()
+    with contextlib.suppress(Exception):
+        from kombu import Connection
+
+        with Connection(RABBIT_URL) as conn:
+            conn.connect()
+            props = conn.connection.server_properties
+            info["rabbitmq"] = props.get("version")
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        info["celery-redbeat"] = version("celery-redbeat")
+        info["py-spy"] = version("py-spy")
+    return info
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()

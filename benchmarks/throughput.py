@@ -1,0 +1,215 @@
+"""Throughput of ``-P pulse`` vs ``-P prefork`` (same broker, same ``-c``), plus CPU and memory.
+
+Method: pre-publish N tasks and a final ``bench.stop`` to a fresh queue, then start a
+worker on that queue. ``worker_ready`` writes the ready time, ``bench.stop`` its own
+start time: rate = N / (stop - ready). Each pulse run gets a fresh, migrated schema
+(or SQLite file). CPU: on-CPU time (schedstat) of the worker's processes (parent vs pool
+children) and of the PostgreSQL backends serving it, from ready to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import statistics
+import time
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+
+from benchmarks import infra
+
+CONCURRENCY = 2
+X = "\u00d7"  # multiplication sign
+VARIANTS = ("prefork", "pulse-postgres", "pulse-sqlite")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    key: str
+    label: str
+    task: str
+    args: tuple[Any, ...]
+    n: int
+
+
+def workloads(quick: bool) -> list[Workload]:
+    if quick:
+        return [Workload("noop-500", "500 no-op", "bench.noop", (), 500),
+                Workload("sleep-200", f"200 {X} 10 ms", "bench.sleep", (10,), 200)]
+    return [Workload("noop-2000", "2,000 no-op", "bench.noop", (), 2000),
+            Workload("sleep-1000", f"1,000 {X} 10 ms", "bench.sleep", (10,), 1000),
+            Workload("noop-20000", "20,000 no-op", "bench.noop", (), 20000)]
+
+
+def plan(quick: bool) -> list[tuple[str, Workload, int]]:
+    """(broker, workload, repeats) in the order they run."""
+    if quick:
+        return [("rabbitmq", w, 1) for w in workloads(quick)]
+    small = [w for w in workloads(quick) if w.n <= 2000]
+    big = [w for w in workloads(quick) if w.n > 2000]
+    out: list[tuple[str, Workload, int]] = []
+    for broker in ("rabbitmq", "redis"):
+        out += [(broker, w, 2) for w in small]
+    # 20,000 tasks: once, on RabbitMQ only (time budget of the full run).
+    out += [("rabbitmq", w, 1) for w in big]
+    return out
+
+
+class PgBackends:
+    """CPU of the PostgreSQL backends connected to the benchmark database."""
+
+    def __init__(self, database_url: str) -> None:
+        self.engine = sa.create_engine(database_url, poolclass=sa.pool.NullPool)
+
+    def pids(self) -> list[int]:
+        with self.engine.connect() as conn:
+            return [int(p) for p in conn.execute(sa.text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid()")).scalars()]
+
+    def cpu(self) -> dict[int, float]:
+        return infra.cpu_seconds(self.pids())
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+#: A run whose queue does not shrink for this long is stuck (reported, not waited out).
+STALL = 45.0
+
+
+class Progress:
+    """Watches the queue depth; ``stalled()`` once it has not changed for STALL seconds."""
+
+    def __init__(self, broker_url: str, queue: str) -> None:
+        self.broker_url = broker_url
+        self.queue = queue
+        self.depth: int | None = None
+        self.changed = time.monotonic()
+        self.checked = 0.0
+
+    def stalled(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < 1.0:
+            return False
+        self.checked = now
+        depth = infra.queue_depth(self.broker_url, self.queue)
+        if depth != self.depth:
+            self.depth, self.changed = depth, now
+        return now - self.changed > STALL
+
+
+def _cpu_split(worker: infra.Worker) -> tuple[dict[int, float], dict[int, float]]:
+    pids = worker.pids()
+    readings = infra.cpu_seconds(pids)
+    parent = {p: v for p, v in readings.items() if p == worker.pid}
+    children = {p: v for p, v in readings.items() if p != worker.pid}
+    return parent, children
+
+
+def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str,
+            workload: Workload) -> dict[str, Any]:
+    """One measured run; returns its figures."""
+    broker_url = infra.BROKERS[broker]
+    queue = f"bench-tp-{uuid.uuid4().hex[:10]}"
+    stop_file = scratch.path("stop")
+    pool = "prefork" if variant == "prefork" else "pulse"
+    store_kind = variant.split("-", 1)[1] if pool == "pulse" else None
+    backends = PgBackends(database_url) if store_kind == "postgres" else None
+    with contextlib.ExitStack() as stack:
+        store = (stack.enter_context(infra.fresh_store(store_kind, scratch, database_url))
+                 if store_kind else None)
+        infra.declare_queue(broker_url, queue)
+        stack.callback(infra.delete_queue, broker_url, queue)
+        infra.publish(broker_url, queue, [(workload.task, list(workload.args))] * workload.n
+                      + [("bench.stop", [str(stop_file)])])
+        started = stack.enter_context(infra.workers())
+        worker = infra.Worker(scratch, f"tp-{variant}", pool=pool, concurrency=CONCURRENCY,
+                              broker=broker_url, queue=queue, store=store)
+        started.append(worker)
+        ready = worker.wait_ready(timeout=60)
+        parent0, children0 = _cpu_split(worker)
+        pg0 = backends.cpu() if backends else {}
+
+        progress = Progress(broker_url, queue)
+
+        def stopped() -> bool:
+            worker.check_alive()
+            if stop_file.exists() and stop_file.stat().st_size > 0:
+                return True
+            if progress.stalled():
+                worker.check_undisturbed()
+                raise RuntimeError(f"{variant} made no progress for {STALL:g}s with "
+                                   f"{progress.depth} messages left in the queue:\n"
+                                   f"{worker.log()[-3000:]}")
+            return False
+        infra.wait_for(stopped, max(120.0, workload.n / 10), f"{workload.key} on {variant}", 0.02)
+        worker.check_undisturbed()
+        stop = float(stop_file.read_text().split()[-1])
+        parent1, children1 = _cpu_split(worker)
+        pg1 = backends.cpu() if backends else {}
+        rss, pss = infra.memory(worker.pids())
+        elapsed = stop - ready
+        worker.kill()
+    if backends:
+        backends.close()
+    n = workload.n
+    return {
+        "broker": broker, "variant": variant, "workload": workload.key, "n": n,
+        "elapsed_s": elapsed, "rate": n / elapsed, "startup_s": ready - worker.started,
+        "cpu_ms_per_task": {
+            "parent": 1000 * infra.cpu_delta(parent0, parent1) / n,
+            "children": 1000 * infra.cpu_delta(children0, children1) / n,
+            "postgres": 1000 * infra.cpu_delta(pg0, pg1) / n},
+        "rss_mb": rss / 2**20, "pss_mb": pss / 2**20,
+    }
+
+
+def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
+    database_url = infra.ensure_bench_database()
+    runs: list[dict[str, Any]] = []
+    for broker, workload, repeats in plan(quick):
+        for rep in range(repeats):
+            for variant in VARIANTS:
+                infra.log(f"throughput {broker} {workload.key} {variant} (#{rep + 1}/{repeats})")
+                result, disturbed = infra.retrying(
+                    functools.partial(run_one, scratch, database_url, broker, variant, workload),
+                    f"throughput {broker} {workload.key} {variant}")
+                result["repeat"] = rep
+                result["disturbed_attempts"] = disturbed
+                infra.log(f"  {result['rate']:.0f} tasks/s in {result['elapsed_s']:.2f}s")
+                runs.append(result)
+    return {"runs": runs, "summary": summarise(runs), "concurrency": CONCURRENCY,
+            "disturbed_attempts": sum(r["disturbed_attempts"] for r in runs),
+            "workloads": {w.key: w.label for w in workloads(quick)}}
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median rate per (broker, workload, variant) and median per-repeat ratio vs prefork."""
+    out = []
+    keys = sorted({(r["broker"], r["workload"]) for r in runs},
+                  key=lambda k: (k[0] != "rabbitmq", k[1]))
+    for broker, workload in keys:
+        mine = [r for r in runs if r["broker"] == broker and r["workload"] == workload]
+        base = {r["repeat"]: r["rate"] for r in mine if r["variant"] == "prefork"}
+        for variant in VARIANTS:
+            rows = [r for r in mine if r["variant"] == variant]
+            if not rows:
+                continue
+            ratios = [r["rate"] / base[r["repeat"]] for r in rows if r["repeat"] in base]
+            cpu = {k: statistics.median(r["cpu_ms_per_task"][k] for r in rows)
+                   for k in ("parent", "children", "postgres")}
+            out.append({
+                "broker": broker, "workload": workload, "variant": variant,
+                "n": rows[0]["n"], "repeats": len(rows),
+                "rate": statistics.median(r["rate"] for r in rows),
+                "rates": [r["rate"] for r in rows],
+                "ratio": statistics.median(ratios) if ratios else None,
+                "cpu_ms_per_task": cpu,
+                "rss_mb": statistics.median(r["rss_mb"] for r in rows),
+                "pss_mb": statistics.median(r["pss_mb"] for r in rows),
+            })
+    return out
