@@ -24,7 +24,6 @@ class ConsumeGate:
         self._reasons: set[str] = set()
         self._lock = threading.Lock()
         self._paused = False
-        self._last: list[str] = []
 
     @property
     def reasons(self) -> frozenset[str]:
@@ -70,15 +69,11 @@ class ConsumeGate:
         with self._lock:
             want_paused = bool(self._reasons)
             reasons = sorted(self._reasons)
-        # The prefetch limit toggles often under load: log it at debug level only.
-        log = logger.debug if reasons == ["prefetch limit"] or self._last == ["prefetch limit"] \
-            else logger.warning
         if want_paused and not self._paused:
             task_consumer.cancel()
             self._paused = True
-            log("pulse: stopped consuming (%s)", ", ".join(reasons))
+            logger.warning("pulse: stopped consuming (%s)", ", ".join(reasons))
         elif not want_paused and self._paused:
             task_consumer.consume()
             self._paused = False
-            log("pulse: consuming again")
-        self._last = reasons
+            logger.warning("pulse: consuming again")

@@ -189,7 +189,7 @@ class Intake:
                 if self.loop.hub is not None:
                     self.loop.later(self._backoff, handler, message, body, None, None, callbacks)
         finally:
-            self.pulse.update_prefetch_gate()
+            self.pulse.admit_waiting()
 
     def _refused(self, refusal: Refusal, request: ReserveRequest, message: Any, body: Any,
                  callbacks: Any, handler: Callable[..., Any]) -> None:

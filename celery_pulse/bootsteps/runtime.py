@@ -209,7 +209,7 @@ class PulseWorker:
                 logger.debug("pulse: could not send %s event", event, exc_info=True)
         self.loop.call(send)
 
-    def update_prefetch_gate(self) -> None:
+    def admit_waiting(self) -> None:
         """Room under the prefetch limit may have opened: reserve held deliveries."""
         if self.prefetch_limit and self._intake is not None and self._intake.waiting:
             self._intake.drain_waiting()

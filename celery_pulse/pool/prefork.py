@@ -66,7 +66,7 @@ class TaskPool(prefork.TaskPool):
                 self.pulse.keeper.mark_running(claim)
             elif claim.state == LOST:  # lost while waiting for a child: cancel right away
                 self.pulse.on_lost(claim)
-            self.pulse.update_prefetch_gate()
+            self.pulse.admit_waiting()
             return original(pid, time_accepted) if original else None
         return accepted
 
@@ -110,12 +110,12 @@ class TaskPool(prefork.TaskPool):
     def _finish(self, claim: LocalClaim, outcome: str, error: str | None) -> None:
         self._free_slot(claim)
         self.pulse.keeper.submit_complete(claim, outcome, error)
-        self.pulse.update_prefetch_gate()
+        self.pulse.admit_waiting()
 
     def _forget(self, claim: LocalClaim) -> None:
         self._free_slot(claim)
         self.pulse.keeper.forget(claim)
-        self.pulse.update_prefetch_gate()
+        self.pulse.admit_waiting()
 
     def _free_slot(self, claim: LocalClaim) -> None:
         if claim.slot is not None:

@@ -10,24 +10,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from celery_pulse.testing import wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
 
+__all__ = ["ROOT", "Env", "Worker", "wait_for"]
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+
 
 
 class Env:
