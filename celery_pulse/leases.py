@@ -5,10 +5,12 @@ completions and hears back through a :class:`LeaseListener`.
 
 Rules:
 
-* Every store call happens on one of two threads owned here: the *committer*
-  (reservations and completions, batched: whatever queued up while the previous
-  batch was in flight goes in the next statement) and the *renewer* (one statement
-  per interval for every lease held). Neither depends on the broker.
+* Every store call happens on threads owned here: the *committer* (reservations
+  and completions, batched: whatever queued up while the previous batch was in
+  flight goes in the next statement), the *starter* (starts, batched the same way,
+  on their own so a waiting pool process never queues behind a reservation batch)
+  and the *renewer* (one statement per interval for every lease held). None depends
+  on the broker.
 * A lease's local deadline is ``sent_at(last successful grant or renewal) + ttl -
   margin`` on the monotonic clock. Past it the lease is lost even if the store
   cannot be reached: it ends here before the store could grant it to anyone else.
@@ -55,6 +57,9 @@ class LocalClaim:
     hard_stopped: bool = False
     #: Counted in ``LeaseKeeper.unstarted()`` (a reservation waiting for a pool slot).
     counted: bool = False
+    #: Recover re-dispatches this task whether it started or not (acks_late, idempotent):
+    #: its start is recorded in the background instead of before the body.
+    start_in_background: bool = False
     #: Opaque adapter data (the Celery request).
     request: Any = None
 
@@ -104,6 +109,7 @@ class Counters:
 
 ReserveCallback = Callable[[Grant | Refusal | PulseError, float], None]
 CompleteCallback = Callable[[str | PulseError], None]
+StartCallback = Callable[[bool | PulseError], None]
 
 
 class LeaseKeeper:
@@ -125,12 +131,14 @@ class LeaseKeeper:
         self.counters = Counters()
         self._lock = threading.RLock()
         self._ops: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
+        self._starts: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
-        for name, target in (("pulse-commit", self._commit_loop), ("pulse-renew", self._renew_loop),
+        for name, target in (("pulse-commit", self._commit_loop), ("pulse-start", self._start_loop),
+                             ("pulse-renew", self._renew_loop),
                              ("pulse-watchdog", self._watchdog_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -138,11 +146,12 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         """Flush queued completions, release reservations never started, stop threads."""
+        self._starts.put(None)
         self._ops.put(None)
-        for thread in self._threads[:1]:
+        for thread in self._threads[:2]:
             thread.join(timeout=30)
         self._stop.set()
-        for thread in self._threads[1:]:
+        for thread in self._threads[2:]:
             thread.join(timeout=self.interval + 5)
         with self._lock:
             unstarted = [c for c in self.claims.values() if c.state == RESERVED]
@@ -175,10 +184,11 @@ class LeaseKeeper:
             return 0
 
     # -- the local table ------------------------------------------------------
-    def add(self, grant: Grant, sent_at: float, retries: int, scheduled: bool) -> LocalClaim:
+    def add(self, grant: Grant, sent_at: float, retries: int, scheduled: bool,
+            start_in_background: bool = False) -> LocalClaim:
         claim = LocalClaim(grant.task_id, grant.epoch, grant.token,
                            sent_at + self.ttl - self.margin, retries, scheduled=scheduled,
-                           counted=not scheduled)
+                           counted=not scheduled, start_in_background=start_in_background)
         with self._lock:
             old = self.claims.get(claim.task_id)
             if old is not None:
@@ -198,12 +208,19 @@ class LeaseKeeper:
             if self.claims.get(claim.task_id) is claim:
                 del self.claims[claim.task_id]
 
-    def mark_running(self, claim: LocalClaim) -> None:
-        """A pool child accepted the job (it authorises the start in the store)."""
+    def mark_running(self, claim: LocalClaim, sent_at: float | None = None) -> bool:
+        """The store moved the claim to ``running``; False if it was lost meanwhile.
+
+        ``sent_at``: when the start was sent (its grant extends the local deadline).
+        """
         with self._lock:
-            if claim.state == RESERVED:
-                self._uncount(claim)
-                claim.state = RUNNING
+            if claim.state != RESERVED:
+                return False
+            self._uncount(claim)
+            claim.state = RUNNING
+            if sent_at is not None:
+                claim.deadline = max(claim.deadline, sent_at + self.ttl - self.margin)
+            return True
 
     def _uncount(self, claim: LocalClaim) -> None:
         if claim.counted:
@@ -224,6 +241,30 @@ class LeaseKeeper:
     def submit_reserve(self, request: ReserveRequest, callback: ReserveCallback) -> None:
         """Queue a reservation; ``callback(result, sent_at)`` runs on the commit thread."""
         self._ops.put(("reserve", request, callback))
+
+    def submit_start(self, claim: LocalClaim, callback: StartCallback | None) -> None:
+        """Queue the start of a reserved claim (its job is about to go to the pool).
+
+        Starts have their own thread and connection: a pool process waits for each
+        one, so it must not queue behind a batch of reservations. ``callback(result)``
+        runs on that thread: True (running: hand the job over), False (refused or lost
+        meanwhile: never run it) or the store error.
+        """
+        self._starts.put(("start", claim, callback))
+
+    def start_in_background(self, claim: LocalClaim) -> bool:
+        """Count the claim as running now and record its start in the store later.
+
+        Only for claims whose lost attempts Recover re-dispatches whatever their state
+        (``start_in_background``): for them "started" is information, not a fence.
+        """
+        with self._lock:
+            if claim.state != RESERVED:
+                return False
+            self._uncount(claim)
+            claim.state = RUNNING
+        self._starts.put(("start", claim, None))
+        return True
 
     def submit_complete(self, claim: LocalClaim, outcome: str, error: str | None,
                         callback: CompleteCallback | None = None) -> None:
@@ -250,10 +291,48 @@ class LeaseKeeper:
             ops = [op for op in batch if op is not None]
             reserves = [op for op in ops if op[0] == "reserve"]
             completes = [op for op in ops if op[0] == "complete"]
+            if completes:  # first: a retry's new delivery may be in this very batch
+                self._commit_completions(completes, closing)
             if reserves:
                 self._commit_reserves(reserves)
-            if completes:
-                self._commit_completions(completes, closing)
+
+    def _start_loop(self) -> None:
+        closing = False
+        while not closing:
+            batch = [self._starts.get()]
+            while True:
+                try:
+                    batch.append(self._starts.get_nowait())
+                except queue.Empty:
+                    break
+            closing = any(op is None for op in batch)
+            ops = [op for op in batch if op is not None]
+            if ops:
+                self._commit_starts(ops)
+
+    def _commit_starts(self, ops: list[tuple[str, Any, Any]]) -> list[bool | PulseError]:
+        sent = self.monotonic()
+        claims = [op[1] for op in ops]
+        results: list[bool | PulseError]
+        try:
+            started = self.store.start_many(self.holder, [c.key for c in claims], self.ttl)
+            results = [c.task_id in started and (c.start_in_background
+                                                 or self.mark_running(c, sent))
+                       for c in claims]
+        except PulseError as exc:
+            self.counters.store_errors += 1
+            results = [exc] * len(ops)
+        except Exception as exc:  # never kill the commit thread
+            logger.exception("pulse: start batch failed")
+            results = [StoreUnavailable(f"start failed: {exc!r}")] * len(ops)
+        for op, result in zip(ops, results, strict=True):
+            if op[2] is None:
+                continue
+            try:
+                op[2](result)
+            except Exception:
+                logger.exception("pulse: start callback failed")
+        return results
 
     def _commit_reserves(self, ops: list[tuple[str, Any, Any]]) -> None:
         sent = self.monotonic()

@@ -176,7 +176,8 @@ class Intake:
             if isinstance(result, Grant):
                 self._store_ok()
                 scheduled = bool((message.headers or {}).get("eta"))
-                self.keeper.add(result, sent, request.retries, scheduled)
+                self.keeper.add(result, sent, request.retries, scheduled,
+                                start_in_background=request.policy == "redispatch")
                 self.keeper.counters.reserved += 1
                 self.pulse.ack(message)
                 inner(message, body, _noop, _noop, callbacks)

@@ -1,10 +1,12 @@
-"""What runs inside a pool child: authorise the start, expose the lease, cancel on loss.
+"""What runs inside a pool child: expose the lease, cancel the body on loss.
 
-The parent wraps each leased job's target in :func:`run_leased`. In the child it:
+The parent wraps each leased job's target in :func:`run_leased`, and hands the job
+over only once the store has moved the claim to ``running`` (the start is batched by
+the worker) — except under Celery's synchronous loop, where the child authorises the
+start itself (``start_in_child``). In the child it:
 
-1. moves the claim to ``running`` in the store (``start``: epoch, token and expiry
-   checked by the store clock). Refused -> the body never runs; the parent drops
-   the job (the reservation was lost before start, so it is safe to re-dispatch);
+1. checks the lease is still held (the shared deadline table): lost meanwhile -> the
+   body never runs, and the parent drops the job;
 2. makes the lease visible to the task (``current_lease()``);
 3. arms a ``SIGUSR2`` handler: when the parent revokes the lease, the handler raises
    :class:`LeaseLost` — but only while the task's own code is on the stack, never
@@ -106,21 +108,22 @@ def _install_handler() -> None:
 
 
 def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
-    """Authorise the start in the store, then run ``target`` under the lease."""
+    """Run ``target`` under the lease the parent started for it."""
     global _armed
     request = args[2] if len(args) > 2 and isinstance(args[2], dict) else {}
     info = request.get("pulse")
     if info is None or _context is None:
         return target(*args, **kwargs)
     task_id = info["task_id"]
-    _install_handler()  # before anything slow: SIGUSR2's default action kills the child
-    try:
-        started = _child_store().start(_context.holder, task_id, info["epoch"], info["token"],
-                                       _context.ttl)
-    except PulseError:
-        started = None
-    if started is None:
-        return (REFUSED, task_id)
+    _install_handler()  # first: SIGUSR2's default action kills the child
+    if info.get("start_in_child"):
+        try:
+            started = _child_store().start(_context.holder, task_id, info["epoch"],
+                                           info["token"], _context.ttl)
+        except PulseError:
+            started = None
+        if started is None:
+            return (REFUSED, task_id)
     table, slot = _context.table, info.get("slot")
     lease = Lease(task_id, info["epoch"], info["token"], _context.holder,
                   read_deadline=(lambda: table.read(slot, task_id)) if slot is not None
@@ -128,8 +131,8 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
                   fencer=make_fencer(_context.store_url, _context.ttl),
                   initial_deadline=info["deadline"])
     if lease.lost:
-        # Revoked while we were starting (the signal found no task frame to raise in):
-        # never start the body. The store decides what happens next (Recover).
+        # Lost between the start and now (the signal found no task frame to raise
+        # in): never start the body. The store decides what happens next (Recover).
         return (REFUSED, task_id)
     _armed = (lease, _task_codes(args[0]))
     _set_current(lease)

@@ -4,22 +4,24 @@ Built on prefork so ``-c N``, time limits, ``max_tasks_per_child`` and revoke ke
 working. The module path contains "prefork" on purpose: Celery's Django fixup
 looks for it to decide how to handle database connections in children.
 
-``apply_async`` runs on the consumer loop: it only looks up the task's local claim,
-puts the lease into the request dict (the child reads it) and wraps the target and
-callbacks; the store is touched by the child (start) and the committer (completion).
+``apply_async`` runs on the consumer loop: it looks up the task's local claim, wraps
+the callbacks and queues the start (reserved -> running) for the next group commit;
+once that commits, the job goes to the pool with the lease in the request dict (the
+child reads it). Children touch the store only through ``lease.fenced``.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from celery.concurrency import prefork
 from celery.exceptions import Ignore, Retry
 from celery.worker import state as worker_state
 
-from celery_pulse.errors import LeaseLost
-from celery_pulse.leases import LOST, RESERVED, LocalClaim
+from celery_pulse.errors import LeaseLost, PulseError
+from celery_pulse.leases import LOST, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.store.base import FAILED, RETRY, SUCCEEDED
 
@@ -50,30 +52,74 @@ class TaskPool(prefork.TaskPool):
             self._release_permit()
             return None
         claim.request = request
-        claim.slot = pulse.table.assign(task_id, claim.deadline)
-        args[2]["pulse"] = {"task_id": task_id, "epoch": claim.epoch, "token": claim.token,
-                            "slot": claim.slot, "deadline": claim.deadline}
         options["accept_callback"] = self._on_accepted(claim, options.get("accept_callback"))
         options["callback"] = self._on_result(claim, callback)
         options["error_callback"] = self._on_error(claim, options.get("error_callback"))
-        return super().apply_async(child.run_leased, (target, *args), kwargs, **options)
+        job = (target, args, kwargs, options)
+        if pulse.loop.hub is None:
+            # Celery's synchronous loop (no hub) hands jobs over whether or not a process
+            # is free, so here the child itself authorises the start before the body.
+            return self._started(claim, job, True, start_in_child=True)
+        if claim.start_in_background and pulse.keeper.start_in_background(claim):
+            return self._started(claim, job, True)
+        # Celery calls us only with a pool process free for the job (its semaphore), so
+        # this is the moment to authorise the start: in the next group commit, and the
+        # child gets the job once the claim is ``running`` (no SQL in the child).
+        pulse.keeper.submit_start(claim, lambda result: pulse.loop.call(
+            self._started, claim, job, result))
+        return None
+
+    def _started(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
+                 result: bool | PulseError, start_in_child: bool = False) -> Any:
+        """On the loop: hand the job to a pool process, or drop it if the start failed."""
+        target, args, kwargs, options = job
+        if isinstance(result, PulseError) and self.pulse.keeper.is_live(claim):
+            logger.warning("pulse: starting task %s failed, retrying: %s", claim.task_id, result)
+            self.pulse.loop.later(0.2, self._retry_start, claim, job)
+            return None
+        if result is not True:
+            why = ("the store refused the start" if result is False
+                   else f"the store could not be reached to start it: {result}")
+            self._drop(claim, claim.request, why)
+            self._release_permit()
+            return None
+        task_id = claim.task_id
+        claim.slot = self.pulse.table.assign(task_id, claim.deadline)
+        args[2]["pulse"] = {"task_id": task_id, "epoch": claim.epoch, "token": claim.token,
+                            "slot": claim.slot, "deadline": claim.deadline,
+                            "start_in_child": start_in_child}
+        try:
+            applied = super().apply_async(child.run_leased, (target, *args), kwargs, **options)
+        except Exception:
+            self._free_slot(claim)
+            raise
+        if claim.request is not None and applied is not None:
+            claim.request._apply_result = weakref.ref(applied)  # what Request.terminate uses
+        self.pulse.admit_waiting()
+        return applied
+
+    def _retry_start(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]]) -> None:
+        if claim.state == LOST or not self.pulse.keeper.is_live(claim):
+            self._started(claim, job, False)
+            return
+        self.pulse.keeper.submit_start(claim, lambda result: self.pulse.loop.call(
+            self._started, claim, job, result))
 
     # -- callbacks (run on the consumer loop) ---------------------------------------------
     def _on_accepted(self, claim: LocalClaim, original: Any) -> Any:
         def accepted(pid: int, time_accepted: float) -> Any:
             claim.pid = pid
-            if claim.state == RESERVED:
-                self.pulse.keeper.mark_running(claim)
-            elif claim.state == LOST:  # lost while waiting for a child: cancel right away
+            if claim.state == LOST:  # lost while waiting for a child: cancel right away
                 self.pulse.on_lost(claim)
-            self.pulse.admit_waiting()
+            elif self.pulse.keeper.mark_running(claim):  # the child starts it (no hub)
+                self.pulse.admit_waiting()
             return original(pid, time_accepted) if original else None
         return accepted
 
     def _on_result(self, claim: LocalClaim, original: Any) -> Any:
         def on_result(result: Any) -> Any:
             if isinstance(result, tuple) and len(result) == 2 and result[0] == child.REFUSED:
-                self._drop(claim, claim.request, "the store refused the start")
+                self._drop(claim, claim.request, "the lease was lost before the body started")
                 return None
             failed, retval = result[0], result[1]
             if not failed:

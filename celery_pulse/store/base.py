@@ -233,12 +233,18 @@ class ClaimStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
-        """Move a live reservation to ``running``; returns the new lease_until or None.
+    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+                   ) -> dict[str, float]:
+        """Move live reservations to ``running`` in one statement (group commit).
 
-        Applies only if (epoch, token) are current, the state is ``reserved`` and
-        the lease has not expired by the store clock.
+        Returns ``task_id -> new lease_until`` for those that moved. One moves only if
+        (epoch, token) are current, the state is ``reserved`` and the lease has not
+        expired by the store clock; the others are refused (absent from the result).
         """
+
+    def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
+        """:meth:`start_many` for one lease: the new lease_until, or None if refused."""
+        return self.start_many(holder, [(task_id, epoch, token)], ttl).get(task_id)
 
     @abc.abstractmethod
     def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float

@@ -8,6 +8,7 @@ with a deadline, never compare their own clock with a stored timestamp.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -464,13 +465,37 @@ def test_fenced_write_rolls_back_when_the_lease_ends_inside_the_block(sql_store:
         assert _notes(engine, table) == []
 
 
-def test_fenced_write_refused_on_a_reservation_not_started(sql_store: SqlStore) -> None:
+def test_fenced_write_accepted_on_a_live_reservation_whose_start_is_not_recorded_yet(
+        sql_store: SqlStore) -> None:
+    # Tasks Recover re-dispatches anyway (acks_late, idempotent) start before their
+    # start is recorded: the fence is the token and epoch, not the state.
     g = grant(sql_store, W1, request())
     lease = _lease(sql_store, g)
     with _probe(sql_store) as (engine, table):
-        with pytest.raises(LeaseLost), engine.connect() as conn, lease.fenced(conn):
+        with engine.connect() as conn, lease.fenced(conn):
             conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="x"))
+        assert _notes(engine, table) == [(g.epoch, "x")]
+    other = _lease(sql_store, dataclasses.replace(g, token="0" * 32))
+    with _probe(sql_store) as (engine, table):
+        with pytest.raises(LeaseLost), engine.connect() as conn, other.fenced(conn):
+            conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="y"))
         assert _notes(engine, table) == []
+
+
+def test_start_many_moves_only_live_reservations_of_the_holder(sql_store: SqlStore) -> None:
+    ok, stale, other = (grant(sql_store, W1, request()) for _ in range(3))
+    mine_elsewhere = grant(sql_store, W2, request())
+    started = sql_store.start_many(W1, [(ok.task_id, ok.epoch, ok.token),
+                                        (stale.task_id, stale.epoch + 1, stale.token),
+                                        (other.task_id, other.epoch, "0" * 32),
+                                        (mine_elsewhere.task_id, mine_elsewhere.epoch,
+                                         mine_elsewhere.token)], TTL)
+    assert set(started) == {ok.task_id}
+    assert started[ok.task_id] > sql_store.now()
+    states = {c.task_id: c.state for c in sql_store.list_claims()}
+    assert states[ok.task_id] == RUNNING
+    assert states[stale.task_id] == states[other.task_id] == RESERVED
+    assert states[mine_elsewhere.task_id] == RESERVED
 
 
 def test_fenced_rejects_another_database_and_open_transactions(

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from celery_pulse.errors import InvalidConfig, LeaseLost
 from celery_pulse.lease import Lease
-from celery_pulse.store.base import RUNNING
+from celery_pulse.store.base import LIVE_STATES
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.tables import claims
 
@@ -77,7 +77,7 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
         held = conn.execute(
             sa.update(claims)
             .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
-                   claims.c.token == lease.token, claims.c.state == RUNNING,
+                   claims.c.token == lease.token, claims.c.state.in_(LIVE_STATES),
                    claims.c.lease_until > dialect.now())
             .values(epoch=claims.c.epoch)
             .returning(claims.c.task_id)).first()
@@ -91,7 +91,7 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
         still = conn.execute(
             sa.select(claims.c.task_id)
             .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
-                   claims.c.state == RUNNING, claims.c.lease_until > dialect.now())).first()
+                   claims.c.state.in_(LIVE_STATES), claims.c.lease_until > dialect.now())).first()
         if still is None:
             lease.mark_lost()
             raise LeaseLost(lease.lost_message() + " (expired before commit)")

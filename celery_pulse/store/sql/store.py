@@ -85,6 +85,8 @@ class SqlStore(Store):
         self._now = self.dialect.now()
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._reserve_sql_cache: dict[int, str] = {}
+        self._start_sql_cache: dict[int, str] = {}
+        self._complete_sql_cache: dict[int, str] = {}
 
     def _single(self) -> Any:
         """A connection for independent statements, each atomic on its own.
@@ -311,18 +313,35 @@ class SqlStore(Store):
                                      int(r.retries))
         return out
 
-    def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
-        # Plain SQL: one per task, run by the pool child right before the body.
+    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+                   ) -> dict[str, float]:
+        # Plain SQL, built once per batch size: run by the worker's committer for every
+        # task, right before the pool gets the job.
+        started: dict[str, float] = {}
+        unique = list(dict.fromkeys(tuple(lease) for lease in leases))
+        for i in range(0, len(unique), _CHUNK):
+            chunk = unique[i:i + _CHUNK]
+            params: list[Any] = [ttl, holder]
+            for lease in chunk:
+                params += lease
+            with translated("start"), self._single() as conn:
+                for row in conn.exec_driver_sql(self._start_sql(len(chunk)), tuple(params)):
+                    started[row[0]] = float(row[1])
+        return started
+
+    def _start_sql(self, rows: int) -> str:
+        cached = self._start_sql_cache.get(rows)
+        if cached is not None:
+            return cached
         mark = "%s" if self.dialect.is_postgres else "?"
         now = self.dialect._now
+        keys = ", ".join([f"({mark}, {mark}, {mark})"] * rows)
         sql = (f"UPDATE pulse_claims SET state = 'running', started_at = {now}, "
-               f"lease_until = {now} + {mark} WHERE task_id = {mark} AND epoch = {mark} "
-               f"AND token = {mark} AND holder = {mark} AND state = 'reserved' "
-               f"AND lease_until > {now} RETURNING lease_until")
-        with translated("start"), self._single() as conn:
-            value = conn.exec_driver_sql(sql, (ttl, task_id, epoch, token, holder)
-                                         ).scalar_one_or_none()
-        return None if value is None else float(value)
+               f"lease_until = {now} + {mark} WHERE holder = {mark} AND state = 'reserved' "
+               f"AND lease_until > {now} AND (task_id, epoch, token) IN (VALUES {keys}) "
+               f"RETURNING task_id, lease_until")
+        self._start_sql_cache[rows] = sql
+        return sql
 
     def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
               ) -> tuple[set[str], set[str]]:
@@ -353,36 +372,47 @@ class SqlStore(Store):
 
     def complete(self, holder: str, completions: Sequence[Completion]) -> dict[str, str]:
         out: dict[str, str] = {}
-        now = self._now
-        by_outcome: dict[str, list[Completion]] = {}
-        for c in completions:
-            by_outcome.setdefault(c.outcome, []).append(c)
+        unique = list({c.task_id: c for c in completions}.values())
         with translated("complete"), self._single() as conn:
-            for outcome, group in by_outcome.items():
-                state = _OUTCOME_STATE[outcome]
-                for i in range(0, len(group), _CHUNK):
-                    chunk = group[i:i + _CHUNK]
-                    values: dict[str, Any] = dict(state=state, token=None, lease_until=None)
-                    if outcome == RETRY:
-                        values.update(outcome=RETRY)
-                    else:
-                        values.update(outcome=outcome, finished_at=now)
-                    errors = {c.task_id: c.error for c in chunk if c.error}
-                    if errors:
-                        values["error"] = sa.case(errors, value=claims.c.task_id, else_=None)
-                    stmt = (sa.update(claims)
-                            .where(self._lease_key([(c.task_id, c.epoch, c.token) for c in chunk]),
-                                   claims.c.state.in_(LIVE_STATES))
-                            .values(**values).returning(claims.c.task_id))
-                    applied = set(conn.execute(stmt).scalars())
-                    out.update(dict.fromkeys(applied, "applied"))
-                    stale = [c for c in chunk if c.task_id not in applied]
-                    if stale:
-                        out.update(self._stale(conn, holder, stale, state, now))
+            for i in range(0, len(unique), _CHUNK):
+                chunk = unique[i:i + _CHUNK]
+                params: list[Any] = []
+                for c in chunk:
+                    params += [c.task_id, c.epoch, c.token, _OUTCOME_STATE[c.outcome], c.outcome,
+                               c.error]
+                applied = {row[0] for row in conn.exec_driver_sql(
+                    self._complete_sql(len(chunk)), tuple(params))}
+                out.update(dict.fromkeys(applied, "applied"))
+                stale = [c for c in chunk if c.task_id not in applied]
+                if stale:
+                    out.update(self._stale(conn, holder, stale, self._now))
         return out
 
-    def _stale(self, conn: sa.Connection, holder: str, stale: list[Completion], state: str,
-               now: Any) -> dict[str, str]:
+    def _complete_sql(self, rows: int) -> str:
+        """One ``UPDATE .. FROM (VALUES ..)`` for a batch of outcomes, any mix of kinds.
+
+        Plain SQL, built once per batch size (the hot path, like reservations). A retry
+        reopens the claim for its next delivery: no ``finished_at``.
+        """
+        cached = self._complete_sql_cache.get(rows)
+        if cached is not None:
+            return cached
+        mark = "%s" if self.dialect.is_postgres else "?"
+        now = self.dialect._now
+        values = ", ".join([f"({', '.join([mark] * 6)})"] * rows)
+        sql = (f"WITH v(task_id, epoch, token, state, outcome, error) AS (VALUES {values}) "
+               f"UPDATE pulse_claims SET state = v.state, outcome = v.outcome, "
+               f"error = v.error, token = NULL, lease_until = NULL, finished_at = "
+               f"CASE WHEN v.state = '{OPEN}' THEN NULL ELSE {now} END "
+               f"FROM v WHERE pulse_claims.task_id = v.task_id "
+               f"AND pulse_claims.epoch = v.epoch AND pulse_claims.token = v.token "
+               f"AND pulse_claims.state IN ('{RESERVED}', '{RUNNING}') "
+               f"RETURNING pulse_claims.task_id")
+        self._complete_sql_cache[rows] = sql
+        return sql
+
+    def _stale(self, conn: sa.Connection, holder: str, stale: list[Completion], now: Any
+               ) -> dict[str, str]:
         current = {r.task_id: r for r in conn.execute(
             sa.select(claims.c.task_id, claims.c.state, claims.c.epoch)
             .where(claims.c.task_id.in_([c.task_id for c in stale])))}
@@ -390,7 +420,7 @@ class SqlStore(Store):
         evidence_rows = []
         for c in stale:
             row = current.get(c.task_id)
-            if row is not None and int(row.epoch) == c.epoch and row.state == state:
+            if row is not None and int(row.epoch) == c.epoch and row.state == _OUTCOME_STATE[c.outcome]:
                 out[c.task_id] = "duplicate"
                 continue
             out[c.task_id] = "evidence"
