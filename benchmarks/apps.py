@@ -73,6 +73,17 @@ def sleep(ms: float) -> None:
     time.sleep(ms / 1000.0)
 
 
+@app.task(name="bench.noop_late", acks_late=True)
+def noop_late() -> None:
+    """``noop`` with ``acks_late``: Recover re-dispatches it whether it started or not."""
+    return None
+
+
+@app.task(name="bench.sleep_late", acks_late=True)
+def sleep_late(ms: float) -> None:
+    time.sleep(ms / 1000.0)
+
+
 @app.task(name="bench.stop")
 def stop(path: str) -> None:
     """The last message of a throughput run: its start time ends the measurement."""

@@ -321,9 +321,10 @@ class SqlStore(Store):
         unique = list(dict.fromkeys(tuple(lease) for lease in leases))
         for i in range(0, len(unique), _CHUNK):
             chunk = unique[i:i + _CHUNK]
-            params: list[Any] = [ttl, holder]
+            params: list[Any] = []
             for lease in chunk:
                 params += lease
+            params += [ttl, holder]
             with translated("start"), self._single() as conn:
                 for row in conn.exec_driver_sql(self._start_sql(len(chunk)), tuple(params)):
                     started[row[0]] = float(row[1])
@@ -336,10 +337,13 @@ class SqlStore(Store):
         mark = "%s" if self.dialect.is_postgres else "?"
         now = self.dialect._now
         keys = ", ".join([f"({mark}, {mark}, {mark})"] * rows)
-        sql = (f"UPDATE pulse_claims SET state = 'running', started_at = {now}, "
-               f"lease_until = {now} + {mark} WHERE holder = {mark} AND state = 'reserved' "
-               f"AND lease_until > {now} AND (task_id, epoch, token) IN (VALUES {keys}) "
-               f"RETURNING task_id, lease_until")
+        sql = (f"WITH v(task_id, epoch, token) AS (VALUES {keys}) "
+               f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
+               f"lease_until = {now} + {mark} FROM v WHERE pulse_claims.task_id = v.task_id "
+               f"AND pulse_claims.epoch = v.epoch AND pulse_claims.token = v.token "
+               f"AND pulse_claims.holder = {mark} AND pulse_claims.state = '{RESERVED}' "
+               f"AND pulse_claims.lease_until > {now} "
+               f"RETURNING pulse_claims.task_id, pulse_claims.lease_until")
         self._start_sql_cache[rows] = sql
         return sql
 

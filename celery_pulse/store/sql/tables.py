@@ -51,9 +51,15 @@ claims = sa.Table(
     sa.Column("finished_at", sa.Float(precision=53)),
     sa.Column("outcome", sa.String(32)),
     sa.Column("error", sa.Text),
-    sa.Index("ix_pulse_claims_state_lease", "state", "lease_until"),
-    sa.Index("ix_pulse_claims_holder", "holder"),
-    sa.Index("ix_pulse_claims_finished", "finished_at"),
+    # Partial: Recover's scan only looks at claims under a lease, the purge at finished
+    # ones, and rows outside an index's predicate cost it nothing when updated. (Strict
+    # comparisons on the column imply IS NOT NULL, also in generic plans.)
+    sa.Index("ix_pulse_claims_lease", "lease_until",
+             postgresql_where=sa.text("lease_until IS NOT NULL"),
+             sqlite_where=sa.text("lease_until IS NOT NULL")),
+    sa.Index("ix_pulse_claims_finished", "finished_at",
+             postgresql_where=sa.text("finished_at IS NOT NULL"),
+             sqlite_where=sa.text("finished_at IS NOT NULL")),
 )
 
 #: Late outcomes from stale holders: kept, never authoritative (seed 003 EVIDENCE_ONLY).
