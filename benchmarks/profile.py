@@ -45,6 +45,7 @@ def categorise(raw: Path) -> dict[str, Any]:
     loop: collections.Counter[str] = collections.Counter()
     children: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     commit: collections.Counter[str] = collections.Counter()
+    starts: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack:
@@ -58,7 +59,7 @@ def categorise(raw: Path) -> dict[str, Any]:
             if "Connection._recv" in frames[-1] or "Connection._poll" in frames[-1]:
                 children[child]["waiting for a job"] += n
             elif any("SqlStore.start" in f for f in frames):
-                children[child]["claim start (UPDATE, in the child)"] += n
+                children[child]["claim start (in the child: synchronous loop only)"] += n
             elif any("bench.noop" in f or "apps.py" in f for f in frames):
                 children[child]["task body"] += n
             else:
@@ -70,6 +71,13 @@ def categorise(raw: Path) -> dict[str, Any]:
                     break
             else:
                 loop["other"] += n
+        elif any("_start_loop" in f for f in frames):
+            if any("SqlStore.start_many" in f for f in frames):
+                starts["start (batched UPDATE)"] += n
+            elif "wait" in frames[-1].lower():
+                starts["idle"] += n
+            else:
+                starts["other"] += n
         elif any("_commit_loop" in f for f in frames):
             if any("SqlStore.reserve" in f for f in frames):
                 commit["reserve (group commit)"] += n
@@ -88,7 +96,8 @@ def categorise(raw: Path) -> dict[str, Any]:
     for counter in children.values():
         merged.update(counter)
     return {"consumer_loop": shares(loop), "children": shares(merged),
-            "commit_thread": shares(commit), "children_count": len(children)}
+            "commit_thread": shares(commit), "start_thread": shares(starts),
+            "children_count": len(children)}
 
 
 def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:

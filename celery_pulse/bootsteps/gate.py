@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -19,8 +20,12 @@ class ConsumeGate:
     deferred calls run does not matter.
     """
 
-    def __init__(self, consumer: Any) -> None:
+    def __init__(self, consumer: Any, on_pause: Callable[[], Any] | None = None,
+                 on_resume: Callable[[], Any] | None = None) -> None:
         self.consumer = consumer
+        #: Called on the loop right after consumption stops / starts again.
+        self.on_pause = on_pause
+        self.on_resume = on_resume
         self._reasons: set[str] = set()
         self._lock = threading.Lock()
         self._paused = False
@@ -73,7 +78,11 @@ class ConsumeGate:
             task_consumer.cancel()
             self._paused = True
             logger.warning("pulse: stopped consuming (%s)", ", ".join(reasons))
+            if self.on_pause is not None:
+                self.on_pause()
         elif not want_paused and self._paused:
             task_consumer.consume()
             self._paused = False
             logger.warning("pulse: consuming again")
+            if self.on_resume is not None:
+                self.on_resume()

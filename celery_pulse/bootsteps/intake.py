@@ -119,6 +119,24 @@ class Intake:
             handler, *args = self.waiting.popleft()
             handler(*args, admitted=True)
 
+    def requeue_waiting(self) -> int:
+        """Consumption stopped (fenced, draining, store down): give held deliveries back.
+
+        They were never acknowledged or reserved; requeued, another worker takes them
+        instead of them waiting here until this one resumes.
+        """
+        requeued = 0
+        while self.waiting:
+            _handler, message, *_rest = self.waiting.popleft()
+            try:
+                message.reject(requeue=True)
+                requeued += 1
+            except Exception as exc:  # the channel is gone: the broker redelivers anyway
+                logger.debug("pulse: could not requeue a held delivery: %r", exc)
+        if requeued:
+            logger.warning("pulse: gave %d held delivery(ies) back to the broker", requeued)
+        return requeued
+
     def forget_waiting(self) -> int:
         """After a broker reconnect: their delivery tags are dead; the broker resends them."""
         dropped = len(self.waiting)

@@ -108,7 +108,8 @@ class PulseWorker:
         if self.consumer is consumer:
             return
         self.consumer = consumer
-        self.gate = ConsumeGate(consumer)
+        self.gate = ConsumeGate(consumer, on_pause=self._requeue_waiting,
+                                on_resume=self.admit_waiting)
         self.loop = LoopCaller(getattr(consumer, "hub", None))
 
     def intake(self, consumer: Any) -> Intake:
@@ -210,9 +211,18 @@ class PulseWorker:
         self.loop.call(send)
 
     def admit_waiting(self) -> None:
-        """Room under the prefetch limit may have opened: reserve held deliveries."""
-        if self.prefetch_limit and self._intake is not None and self._intake.waiting:
+        """Room under the prefetch limit may have opened: reserve held deliveries.
+
+        Never while consumption is paused (fenced, draining, store down): those were
+        given back to the broker when it paused.
+        """
+        if (self.prefetch_limit and self._intake is not None and self._intake.waiting
+                and (self.gate is None or self.gate.is_open)):
             self._intake.drain_waiting()
+
+    def _requeue_waiting(self) -> None:
+        if self._intake is not None:
+            self._intake.requeue_waiting()
 
     # -- LeaseListener (renewer thread) ----------------------------------------------
     def on_renewed(self, claims: Sequence[LocalClaim]) -> None:

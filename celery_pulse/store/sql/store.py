@@ -98,6 +98,16 @@ class SqlStore(Store):
             return self._autocommit.connect()
         return self.engine.begin()
 
+    def _read(self) -> Any:
+        """A connection for reads that need no transaction around them.
+
+        On PostgreSQL: autocommit, so a poll costs one round trip instead of three
+        (BEGIN, the query, ROLLBACK): the leader's beat polls every second.
+        """
+        if self.dialect.is_postgres:
+            return self._autocommit.connect()
+        return self.engine.connect()
+
     @property
     def url(self) -> str:
         return mask_url(self.engine.url.render_as_string(hide_password=False))
@@ -107,7 +117,7 @@ class SqlStore(Store):
 
     # -- housekeeping ---------------------------------------------------------
     def now(self) -> float:
-        with translated("now"), self.engine.connect() as conn:
+        with translated("now"), self._read() as conn:
             return float(conn.execute(sa.select(self._now)).scalar_one())
 
     def check_schema(self) -> None:
@@ -189,7 +199,7 @@ class SqlStore(Store):
         now = sa.select(self._now).scalar_subquery()
         stmt = sa.select(workers, (workers.c.expires_at - now).label("expires_in")
                          ).order_by(workers.c.worker_id)
-        with translated("list_workers"), self.engine.connect() as conn:
+        with translated("list_workers"), self._read() as conn:
             rows = conn.execute(stmt).all()
         return [WorkerInfo(r.worker_id, json.loads(r.labels), float(r.registered_at),
                            float(r.last_heartbeat), float(r.expires_at), r.expires_in > 0,
@@ -468,7 +478,7 @@ class SqlStore(Store):
         if states:
             stmt = stmt.where(claims.c.state.in_(list(states)))
         stmt = stmt.order_by(claims.c.created_at.desc()).limit(limit)
-        with translated("list_claims"), self.engine.connect() as conn:
+        with translated("list_claims"), self._read() as conn:
             rows = conn.execute(stmt).all()
         return [ClaimInfo(r.task_id, r.task_name, r.state, r.holder, int(r.epoch),
                           int(r.attempts), int(r.max_attempts), r.policy,
@@ -479,7 +489,7 @@ class SqlStore(Store):
     def claim_counts(self) -> dict[str, int]:
         now = self._now
         expired = sa.and_(claims.c.state.in_(LIVE_STATES), claims.c.lease_until <= now)
-        with translated("claim_counts"), self.engine.connect() as conn:
+        with translated("claim_counts"), self._read() as conn:
             counts = {r.state: int(r.n) for r in conn.execute(
                 sa.select(claims.c.state, sa.func.count().label("n")).group_by(claims.c.state))}
             counts["expired"] = int(conn.execute(
@@ -565,7 +575,7 @@ class SqlStore(Store):
                           claims.c.attempts, claims.c.headers, claims.c.reserved_at,
                           claims.c.created_at)
                 .where(claims.c.state == NEEDS_REVIEW).order_by(claims.c.created_at).limit(limit))
-        with translated("list_review"), self.engine.connect() as conn:
+        with translated("list_review"), self._read() as conn:
             rows = conn.execute(stmt).all()
         items = []
         for r in rows:
@@ -654,7 +664,7 @@ class SqlStore(Store):
         now = sa.select(self._now).scalar_subquery()
         stmt = sa.select(leaders, (leaders.c.lease_until - now).label("remaining")).where(
             leaders.c.key == key)
-        with translated("get_leader"), self.engine.connect() as conn:
+        with translated("get_leader"), self._read() as conn:
             r = conn.execute(stmt).one_or_none()
         if r is None:
             return None
@@ -663,7 +673,7 @@ class SqlStore(Store):
 
     # -- beat ----------------------------------------------------------------------------
     def last_run(self) -> dict[str, float]:
-        with translated("last_run"), self.engine.connect() as conn:
+        with translated("last_run"), self._read() as conn:
             return {r.entry: float(r.last_run_at) for r in conn.execute(sa.select(beat_state))}
 
     def init_last_run(self, entry: str, at: float) -> float:
@@ -709,12 +719,12 @@ class SqlStore(Store):
     def unpublished_slots(self, limit: int = 100) -> list[Slot]:
         stmt = (sa.select(beat_slots).where(beat_slots.c.published_at.is_(None))
                 .order_by(beat_slots.c.due_at).limit(limit))
-        with translated("unpublished_slots"), self.engine.connect() as conn:
+        with translated("unpublished_slots"), self._read() as conn:
             return [Slot(r.entry, float(r.due_at), r.task_id, r.task, r.payload)
                     for r in conn.execute(stmt)]
 
     def list_schedule(self) -> list[ScheduleRow]:
-        with translated("list_schedule"), self.engine.connect() as conn:
+        with translated("list_schedule"), self._read() as conn:
             return [ScheduleRow(r.name, r.task, r.kind, r.spec, r.args, r.kwargs, r.options,
                                 bool(r.enabled), float(r.updated_at))
                     for r in conn.execute(sa.select(schedule).order_by(schedule.c.name))]
