@@ -57,6 +57,8 @@ class LocalClaim:
     hard_stopped: bool = False
     #: Counted in ``LeaseKeeper.unstarted()`` (a reservation waiting for a pool slot).
     counted: bool = False
+    #: The job went to the pool (it may run; before that, a started claim never ran).
+    in_pool: bool = False
     #: Recover re-dispatches this task whether it started or not (acks_late, idempotent):
     #: its start is recorded in the background instead of before the body.
     start_in_background: bool = False
@@ -154,10 +156,14 @@ class LeaseKeeper:
         for thread in self._threads[2:]:
             thread.join(timeout=self.interval + 5)
         with self._lock:
-            unstarted = [c for c in self.claims.values() if c.state == RESERVED]
+            # Reservations, and starts whose job never reached the pool (the worker
+            # stopped in between): none of them ran.
+            unstarted = [c for c in self.claims.values() if c.state == RESERVED
+                         or (c.state == RUNNING and not c.in_pool)]
         if unstarted:
             try:
-                released = self.store.release(self.holder, [c.key for c in unstarted])
+                released = self.store.release(self.holder, [c.key for c in unstarted],
+                                              never_ran=True)
                 logger.info("pulse: released %d reservation(s) never started", released)
             except PulseError as exc:
                 logger.warning("pulse: could not release reservations (they expire in "

@@ -37,6 +37,9 @@ from celery_pulse.store.sql import open_store
 
 logger = logging.getLogger(__name__)
 
+#: GIL switch interval in the worker's main process (seconds).
+SWITCH_INTERVAL = 0.0005
+
 EXIT_CONFIG = 78
 BEAT_KEY = "beat"
 EXIT_IDENTITY_LOST = 3
@@ -119,6 +122,10 @@ class PulseWorker:
         return self._intake
 
     def start_leases(self) -> None:
+        # The start thread hands each job to a waiting pool process: it must not wait
+        # Python's default 5 ms GIL switch interval behind the consumer loop or the
+        # group-commit thread.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self.keeper.start()
         self.recoverer.start()
         if self.elector is not None and self.beat is not None:

@@ -93,6 +93,7 @@ class TaskPool(prefork.TaskPool):
         except Exception:
             self._free_slot(claim)
             raise
+        claim.in_pool = True
         if claim.request is not None and applied is not None:
             claim.request._apply_result = weakref.ref(applied)  # what Request.terminate uses
         self.pulse.admit_waiting()

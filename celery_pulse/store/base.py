@@ -266,8 +266,14 @@ class ClaimStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def release(self, holder: str, leases: Sequence[tuple[str, int, str]]) -> int:
-        """Expire ``holder``'s reservations now (never started), for immediate recovery."""
+    def release(self, holder: str, leases: Sequence[tuple[str, int, str]], *,
+                never_ran: bool = False) -> int:
+        """Expire ``holder``'s reservations now (never started), for immediate recovery.
+
+        Running claims are left alone, unless ``never_ran``: the worker knows their job
+        never reached a pool process (it stopped between the start and the hand-over),
+        so they go back to ``reserved`` too.
+        """
 
     @abc.abstractmethod
     def purge_finished(self, older_than: float, limit: int = 500) -> int:

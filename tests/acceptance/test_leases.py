@@ -545,3 +545,32 @@ def test_store_outage_self_fences_running_task_and_pauses_intake(
     assert lost - stopped <= ttl, (stopped, lost)
     assert first(path, "end") is None
     assert w.proc.poll() is None
+
+
+# -- 6. warm shutdown under load: every task runs once, none goes to review --------------------
+def test_warm_shutdown_under_load_runs_or_releases_every_task(
+        pg_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        workers: Callable[..., Worker], db: Callable[[str], Claims]) -> None:
+    # Jobs are started (running) before they reach a pool process; a worker that stops
+    # in between must give them back as never run, or Recover would send these
+    # default-acks tasks to review although they never started.
+    env = make_env(pg_url, rabbitmq_url, FAST)
+    store_db = db(pg_url)
+    w = workers(env, "warm@%h", concurrency=2).wait_ready()
+    outs = [tmp_path / f"task-{i}.txt" for i in range(300)]
+    with producer(env) as client:
+        ids = [client.send_task("pulseapp.sleep", args=[0.01, str(p)]).id for p in outs]
+        wait_for(lambda: sum(p.exists() for p in outs) >= 40, 30, "some tasks to run")
+        w.signal_main(signal.SIGTERM)
+        assert w.wait(60) == 0, w.log()[-3000:]
+        workers(env, "after@%h", concurrency=2).wait_ready()
+
+        def settled() -> bool:
+            rows = store_db.rows()
+            return all(rows.get(t) is not None and rows[t].state in ("succeeded", "needs_review")
+                       for t in ids)
+        wait_for(settled, 90, "every task to be settled by the second worker")
+    rows = store_db.rows()
+    assert [t for t in ids if rows[t].state != "succeeded"] == []
+    ran = [events(p) for p in outs]
+    assert all(e == [["start"], ["end"]] for e in ran), [e for e in ran if e != [["start"], ["end"]]]

@@ -365,6 +365,16 @@ def test_release_leaves_running_claims_alone(sql_store: SqlStore) -> None:
     assert info.state == RUNNING and (info.lease_remaining or 0) > 0
 
 
+def test_release_of_a_start_that_never_reached_a_pool_process(sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request())
+    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    assert sql_store.release(W2, [key(g)], never_ran=True) == 0  # only the holder
+    assert sql_store.release(W1, [key(g)], never_ran=True) == 1
+    info = claim(sql_store, g.task_id)
+    assert info.state == RESERVED and info.started_at is None
+    assert expired(sql_store, g.task_id)  # Recover re-publishes it: it never ran
+
+
 def test_purge_removes_only_old_finished_claims(sql_store: SqlStore) -> None:
     done, failed, live = (grant(sql_store, W1, request()) for _ in range(3))
     assert complete(sql_store, W1, done) == "applied"

@@ -444,13 +444,15 @@ class SqlStore(Store):
             conn.execute(sa.insert(evidence).values(evidence_rows))
         return out
 
-    def release(self, holder: str, leases: Sequence[tuple[str, int, str]]) -> int:
+    def release(self, holder: str, leases: Sequence[tuple[str, int, str]], *,
+                never_ran: bool = False) -> int:
         if not leases:
             return 0
+        states = LIVE_STATES if never_ran else (RESERVED,)
         stmt = (sa.update(claims)
                 .where(claims.c.holder == holder, self._lease_key(leases),
-                       claims.c.state == RESERVED)
-                .values(lease_until=self._now))
+                       claims.c.state.in_(states))
+                .values(lease_until=self._now, state=RESERVED, started_at=None))
         with translated("release"), self._single() as conn:
             return int(conn.execute(stmt).rowcount)
 
