@@ -9,7 +9,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,9 +17,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import sqlalchemy as sa
+
+from tests.helpers import pg
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_HOST_URL = os.environ.get("PULSE_BENCH_PG", "postgresql+psycopg://root@127.0.0.1:5432")
@@ -322,12 +322,6 @@ def pg_url(database: str, base: str = PG_HOST_URL) -> str:
     return f"{base}/{database}"
 
 
-def schema_url(base: str, schema: str) -> str:
-    """``base`` with every connection's search_path set to ``schema``."""
-    sep = "&" if "?" in base else "?"
-    return f"{base}{sep}options={quote(f'-csearch_path={schema}')}"
-
-
 def ensure_bench_database() -> str:
     """The dedicated benchmark database on the shared server (created once)."""
     engine = sa.create_engine(pg_url("postgres"), isolation_level="AUTOCOMMIT",
@@ -361,7 +355,7 @@ def fresh_pg_schema(database_url: str) -> Iterator[str]:
                               poolclass=sa.pool.NullPool)
     with engine.connect() as conn:
         conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
-    url = schema_url(database_url, name)
+    url = pg.schema_url(database_url, name)
     try:
         migrate(url)
         yield url
@@ -394,82 +388,17 @@ def fresh_store(kind: str, scratch: Scratch, database_url: str) -> Iterator[str]
             yield url
 
 
-def _pg_bin(name: str) -> str:
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    if found:
-        return found[-1]
-    path = shutil.which(name)
-    if path is None:
-        raise RuntimeError(f"PostgreSQL binary {name} not found")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivatePostgres:
-    """A PostgreSQL server of the benchmark's own on a free port (stoppable, measurable).
-
-    Durable by default (fsync on, as in production); ``settings`` are passed as ``-c``.
-    Runs as the ``postgres`` OS user when we are root (the server refuses root).
-    """
+class PrivatePostgres(pg.PrivatePostgres):
+    """The test suite's private server, durable by default (fsync on, as in production),
+    and measurable."""
 
     def __init__(self, settings: dict[str, str] | None = None) -> None:
-        self.dir = tempfile.mkdtemp(prefix="pulse-bench-pg-")
-        self.data = os.path.join(self.dir, "data")
-        self.port = free_port()
-        self.settings = dict(settings or {})
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-        self._as_user: list[str] = []
-        if os.geteuid() == 0:
-            shutil.chown(self.dir, "postgres", "postgres")
-            self._as_user = ["runuser", "-u", "postgres", "--"]
-
-    def _run(self, *args: str) -> None:
-        subprocess.run([*self._as_user, *args], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, timeout=60)
-
-    def init(self) -> PrivatePostgres:
-        self._run(_pg_bin("initdb"), "-D", self.data, "-A", "trust", "-U", "postgres",
-                  "--no-sync", "-E", "UTF8")
-        return self.start()
-
-    def start(self) -> PrivatePostgres:
-        options = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
-        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-t", "30", "-l",
-                  os.path.join(self.dir, "server.log"), "-o",
-                  f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 {options}",
-                  "start")
-        wait_for(lambda: _port_open(self.port), 30, "the private PostgreSQL to listen", 0.1)
-        return self
-
-    def stop(self) -> None:
-        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-m", "immediate", "stop")
-
-    def postmaster_pid(self) -> int:
-        with open(os.path.join(self.data, "postmaster.pid")) as fh:
-            return int(fh.readline())
+        super().__init__(dict(settings or {}))
 
     def cpu_seconds(self) -> dict[int, float]:
         """CPU seconds of the postmaster and every backend and helper it forked."""
         pid = self.postmaster_pid()
         return cpu_seconds([pid, *children_of(pid)])
-
-    def destroy(self) -> None:
-        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-            self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
