@@ -395,6 +395,11 @@ def schedule_add(ctx: click.Context, name: str, task: str, every: float | None,
 
     if (every is None) == (cron is None):
         raise click.UsageError("give exactly one of --every SECONDS or --crontab JSON")
+    static = ctx.obj.app.conf.beat_schedule or {} if ctx.obj is not None else {}
+    if name in static:
+        raise click.ClickException(
+            f"{name!r} is a static entry of beat_schedule, which wins over a dynamic one of "
+            f"the same name: give the dynamic entry another name")
     try:
         kind, spec = ("interval", {"every": every}) if every is not None else (
             "crontab", json.loads(cron or "{}"))

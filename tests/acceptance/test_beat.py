@@ -383,7 +383,7 @@ def _run_parallel(env: Env, *commands: tuple[str, ...]) -> list[subprocess.Compl
 def test_dynamic_schedule_add_remove_and_validation(
         beat_env: Callable[..., Env], workers: Callable[..., Worker], view: View,
         tmp_path: Path) -> None:
-    env = beat_env({})
+    env = beat_env({"hourly": 3600.0})  # a static entry (first due in an hour)
     path = str(tmp_path / "ticks.log")
     # A malformed row written around the CLI never takes the scheduler down.
     view.store.put_schedule(ScheduleRow("broken", "beatapp.tick", "crontab", '{"minute": "99"}',
@@ -423,6 +423,7 @@ def test_dynamic_schedule_add_remove_and_validation(
         "infinite period": (("x5", "--every", "inf"), "'every' must be"),
         "args not a list": (("x6", "--every", "1", "--args", '{"a": 1}'), "--args must be"),
         "no schedule": (("x7",), "exactly one of --every"),
+        "a static entry's name": (("hourly", "--every", "1"), "static entry of beat_schedule"),
     }
     results = _run_parallel(
         env, *[(*add, *args, "--task", "beatapp.tick") for args, _ in cases.values()],
