@@ -29,13 +29,24 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from celery_pulse.errors import PulseError, StoreUnavailable
-from celery_pulse.store.base import ClaimStore, Completion, Grant, Refusal, ReserveRequest, mask_token
+from celery_pulse.store.base import (
+    RETRY,
+    ClaimStore,
+    Completion,
+    Grant,
+    Refusal,
+    ReserveRequest,
+    mask_token,
+)
 
 logger = logging.getLogger(__name__)
 
 RESERVED, RUNNING, LOST = "reserved", "running", "lost"
 #: How long a lost, never-started claim is remembered (so a late request is dropped).
 LOST_MEMORY = 300.0
+#: Completions wait up to this long (seconds) or for this many to share a statement.
+COMPLETION_DELAY = 0.005
+COMPLETION_BATCH = 64
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -284,10 +295,17 @@ class LeaseKeeper:
         return self.store.reserve(self.holder, requests, self.ttl), sent
 
     def _commit_loop(self) -> None:
+        """Reservations go out at once (a delivery waits for each); completions wait up
+        to COMPLETION_DELAY for company, since nothing waits for them."""
         closing = False
+        pending: list[tuple[str, Any, Any]] = []
+        flush_at = 0.0
         while not closing:
-            first = self._ops.get()
-            batch = [first]
+            timeout = max(0.0, flush_at - time.monotonic()) if pending else None
+            try:
+                batch = [self._ops.get(timeout=timeout)]
+            except queue.Empty:
+                batch = []
             while len(batch) < 500:
                 try:
                     batch.append(self._ops.get_nowait())
@@ -297,8 +315,15 @@ class LeaseKeeper:
             ops = [op for op in batch if op is not None]
             reserves = [op for op in ops if op[0] == "reserve"]
             completes = [op for op in ops if op[0] == "complete"]
-            if completes:  # first: a retry's new delivery may be in this very batch
-                self._commit_completions(completes, closing)
+            if completes and not pending:
+                flush_at = time.monotonic() + COMPLETION_DELAY
+            pending += completes
+            # A retry goes out first: its new delivery may be among these reservations.
+            if pending and (closing or len(pending) >= COMPLETION_BATCH
+                            or time.monotonic() >= flush_at
+                            or any(op[1].outcome == RETRY for op in completes)):
+                self._commit_completions(pending, closing)
+                pending = []
             if reserves:
                 self._commit_reserves(reserves)
 

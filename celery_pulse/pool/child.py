@@ -42,14 +42,16 @@ class ChildContext:
 
 _context: ChildContext | None = None
 _store: Any = None
+_fence: Any = None
 _armed: tuple[Lease, frozenset[CodeType]] | None = None
 _codes: dict[str, frozenset[CodeType]] = {}
 
 
 def configure(context: ChildContext) -> None:
     """Called in the parent (before fork)."""
-    global _context
+    global _context, _fence
     _context = context
+    _fence = None
 
 
 def _child_store() -> Any:
@@ -61,6 +63,14 @@ def _child_store() -> Any:
         assert _context is not None
         _store = SqlStore(make_engine(_context.store_url))
     return _store
+
+
+def _fencer() -> Any:
+    global _fence
+    if _fence is None:
+        assert _context is not None
+        _fence = make_fencer(_context.store_url, _context.ttl)
+    return _fence
 
 
 def _task_codes(name: str) -> frozenset[CodeType]:
@@ -128,7 +138,7 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
     lease = Lease(task_id, info["epoch"], info["token"], _context.holder,
                   read_deadline=(lambda: table.read(slot, task_id)) if slot is not None
                   else (lambda: None),
-                  fencer=make_fencer(_context.store_url, _context.ttl),
+                  fencer=_fencer(),
                   initial_deadline=info["deadline"])
     if lease.lost:
         # Lost between the start and now (the signal found no task frame to raise
