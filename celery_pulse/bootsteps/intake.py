@@ -25,6 +25,8 @@ from celery_pulse.store.base import Grant, Message, Refusal, ReserveRequest
 logger = logging.getLogger(__name__)
 
 _DROP_PROPERTIES = ("delivery_tag", "delivery_info", "body_encoding")
+#: The consume gate's reason while over the prefetch limit (brokers without holding).
+PREFETCH_LIMIT = "prefetch limit"
 
 
 def _noop(*_args: Any, **_kwargs: Any) -> None:
@@ -67,6 +69,9 @@ class Intake:
         self.waiting: collections.deque[tuple[Any, ...]] = collections.deque()
         self._store_down = False
         self._backoff = 0.1
+        self._hold: bool | None = None
+        #: Consumption paused at the prefetch limit (brokers where deliveries aren't held).
+        self.paused_at_limit = False
 
     def wrap(self, task: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         settings = self.pulse.settings
@@ -91,12 +96,18 @@ class Intake:
                 self.loop.later(0.2, handler, message, body, ack, reject, callbacks)
                 return None
             if not admitted and (self.waiting or self._over_prefetch_limit(headers)):
-                # Keep it unacknowledged (the broker still owns it) until a reservation
-                # starts. Unacked deliveries count against the broker's own prefetch
-                # limit (basic.qos), so the broker stops sending by itself: no consumer
-                # toggling per task.
-                self.waiting.append((handler, message, body, ack, reject, callbacks))
-                return None
+                if self._holds_over_limit():
+                    # Keep it unacknowledged (the broker still owns it) until a
+                    # reservation starts. Unacked deliveries count against the broker's
+                    # own prefetch limit (basic.qos), so the broker stops sending by
+                    # itself: no consumer toggling per task.
+                    self.waiting.append((handler, message, body, ack, reject, callbacks))
+                    return None
+                # This broker would keep an unacknowledged delivery of a killed worker
+                # until its visibility timeout: reserve it (a little over the limit)
+                # and stop consuming until there is room again.
+                self.paused_at_limit = True
+                self.pulse.gate.close(PREFETCH_LIMIT)
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries)
             self.pending += 1
@@ -118,6 +129,25 @@ class Intake:
         while self.waiting and not self._over_prefetch_limit({}):
             handler, *args = self.waiting.popleft()
             handler(*args, admitted=True)
+
+    def reopen_if_room(self) -> None:
+        """Resume consuming (paused at the prefetch limit) once there is room."""
+        if not self._over_prefetch_limit({}):
+            self.paused_at_limit = False
+            self.pulse.gate.open(PREFETCH_LIMIT)
+
+    def _holds_over_limit(self) -> bool:
+        """Whether deliveries over the prefetch limit may wait unacknowledged.
+
+        Only where the broker gives a dead connection's unacknowledged messages back at
+        once (AMQP). Redis keeps them until ``visibility_timeout`` (an hour by default),
+        so there a held delivery of a SIGKILLed worker would be as good as lost.
+        """
+        if self._hold is None:
+            connection = getattr(self.consumer, "connection", None)
+            transport = getattr(connection, "transport", None)
+            self._hold = getattr(transport, "driver_type", None) == "amqp"
+        return self._hold
 
     def requeue_waiting(self) -> int:
         """Consumption stopped (fenced, draining, store down): give held deliveries back.

@@ -223,8 +223,11 @@ class PulseWorker:
         Never while consumption is paused (fenced, draining, store down): those were
         given back to the broker when it paused.
         """
-        if (self.prefetch_limit and self._intake is not None and self._intake.waiting
-                and (self.gate is None or self.gate.is_open)):
+        if not self.prefetch_limit or self._intake is None:
+            return
+        if self._intake.paused_at_limit:
+            self._intake.reopen_if_room()
+        if self._intake.waiting and (self.gate is None or self.gate.is_open):
             self._intake.drain_waiting()
 
     def _requeue_waiting(self) -> None:
