@@ -341,21 +341,27 @@ class LeaseKeeper:
             if ops:
                 self._commit_starts(ops)
 
+    def _guarded(self, what: str, n: int, call: Callable[[], list[Any]]) -> list[Any]:
+        """``call()``'s result per op, or each op's failure: never kill a store thread."""
+        try:
+            return call()
+        except PulseError as exc:
+            self.counters.store_errors += 1
+            return [exc] * n
+        except Exception as exc:
+            logger.exception("pulse: %s batch failed", what)
+            return [StoreUnavailable(f"{what} failed: {exc!r}")] * n
+
     def _commit_starts(self, ops: list[tuple[str, Any, Any]]) -> list[bool | PulseError]:
         sent = self.monotonic()
         claims = [op[1] for op in ops]
-        results: list[bool | PulseError]
-        try:
+
+        def start() -> list[Any]:
             started = self.store.start_many(self.holder, [c.key for c in claims], self.ttl)
-            results = [c.task_id in started and (c.start_in_background
-                                                 or self.mark_running(c, sent))
-                       for c in claims]
-        except PulseError as exc:
-            self.counters.store_errors += 1
-            results = [exc] * len(ops)
-        except Exception as exc:  # never kill the commit thread
-            logger.exception("pulse: start batch failed")
-            results = [StoreUnavailable(f"start failed: {exc!r}")] * len(ops)
+            return [c.task_id in started and (c.start_in_background
+                                              or self.mark_running(c, sent))
+                    for c in claims]
+        results: list[bool | PulseError] = self._guarded("start", len(ops), start)
         for op, result in zip(ops, results, strict=True):
             if op[2] is None:
                 continue
@@ -367,14 +373,8 @@ class LeaseKeeper:
 
     def _commit_reserves(self, ops: list[tuple[str, Any, Any]]) -> None:
         sent = self.monotonic()
-        try:
-            results: list[Any] = self.store.reserve(self.holder, [op[1] for op in ops], self.ttl)
-        except PulseError as exc:
-            self.counters.store_errors += 1
-            results = [exc] * len(ops)
-        except Exception as exc:  # never kill the commit thread
-            logger.exception("pulse: reservation batch failed")
-            results = [StoreUnavailable(f"reservation failed: {exc!r}")] * len(ops)
+        results = self._guarded("reservation", len(ops), lambda: list(self.store.reserve(
+            self.holder, [op[1] for op in ops], self.ttl)))
         for op, result in zip(ops, results, strict=True):
             try:
                 op[2](result, sent)

@@ -85,8 +85,7 @@ class SqlStore(Store):
         self._now = self.dialect.now()
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._reserve_sql_cache: dict[int, str] = {}
-        self._start_sql_cache: dict[int, str] = {}
-        self._complete_sql_cache: dict[int, str] = {}
+        self._sql_cache: dict[tuple[str, int], str] = {}
 
     def _single(self) -> Any:
         """A connection for independent statements, each atomic on its own.
@@ -341,20 +340,32 @@ class SqlStore(Store):
         return started
 
     def _start_sql(self, rows: int) -> str:
-        cached = self._start_sql_cache.get(rows)
+        now = self.dialect._now
+        return self._batch_update(
+            "start", rows, ("task_id", "epoch", "token"),
+            f"state = '{RUNNING}', started_at = {now}, lease_until = {now} + {{mark}}",
+            f"pulse_claims.holder = {{mark}} AND pulse_claims.state = '{RESERVED}' "
+            f"AND pulse_claims.lease_until > {now}", "pulse_claims.lease_until")
+
+    def _batch_update(self, kind: str, rows: int, columns: tuple[str, ...], assign: str,
+                      where: str, returning: str = "") -> str:
+        """``WITH v(columns) AS (VALUES ..) UPDATE pulse_claims .. FROM v`` for ``rows`` leases.
+
+        Plain SQL, built once per (kind, batch size): the hot path. ``v`` starts with the
+        lease key (task_id, epoch, token); ``{mark}`` in ``assign``/``where`` is a
+        parameter placed after the rows'.
+        """
+        cached = self._sql_cache.get((kind, rows))
         if cached is not None:
             return cached
         mark = "%s" if self.dialect.is_postgres else "?"
-        now = self.dialect._now
-        keys = ", ".join([f"({mark}, {mark}, {mark})"] * rows)
-        sql = (f"WITH v(task_id, epoch, token) AS (VALUES {keys}) "
-               f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
-               f"lease_until = {now} + {mark} FROM v WHERE pulse_claims.task_id = v.task_id "
-               f"AND pulse_claims.epoch = v.epoch AND pulse_claims.token = v.token "
-               f"AND pulse_claims.holder = {mark} AND pulse_claims.state = '{RESERVED}' "
-               f"AND pulse_claims.lease_until > {now} "
-               f"RETURNING pulse_claims.task_id, pulse_claims.lease_until")
-        self._start_sql_cache[rows] = sql
+        row = f"({', '.join([mark] * len(columns))})"
+        sql = (f"WITH v({', '.join(columns)}) AS (VALUES {', '.join([row] * rows)}) "
+               f"UPDATE pulse_claims SET {assign.format(mark=mark)} FROM v "
+               f"WHERE pulse_claims.task_id = v.task_id AND pulse_claims.epoch = v.epoch "
+               f"AND pulse_claims.token = v.token AND {where.format(mark=mark)} "
+               f"RETURNING pulse_claims.task_id{', ' + returning if returning else ''}")
+        self._sql_cache[(kind, rows)] = sql
         return sql
 
     def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
@@ -403,27 +414,14 @@ class SqlStore(Store):
         return out
 
     def _complete_sql(self, rows: int) -> str:
-        """One ``UPDATE .. FROM (VALUES ..)`` for a batch of outcomes, any mix of kinds.
-
-        Plain SQL, built once per batch size (the hot path, like reservations). A retry
-        reopens the claim for its next delivery: no ``finished_at``.
-        """
-        cached = self._complete_sql_cache.get(rows)
-        if cached is not None:
-            return cached
-        mark = "%s" if self.dialect.is_postgres else "?"
-        now = self.dialect._now
-        values = ", ".join([f"({', '.join([mark] * 6)})"] * rows)
-        sql = (f"WITH v(task_id, epoch, token, state, outcome, error) AS (VALUES {values}) "
-               f"UPDATE pulse_claims SET state = v.state, outcome = v.outcome, "
-               f"error = v.error, token = NULL, lease_until = NULL, finished_at = "
-               f"CASE WHEN v.state = '{OPEN}' THEN NULL ELSE {now} END "
-               f"FROM v WHERE pulse_claims.task_id = v.task_id "
-               f"AND pulse_claims.epoch = v.epoch AND pulse_claims.token = v.token "
-               f"AND pulse_claims.state IN ('{RESERVED}', '{RUNNING}') "
-               f"RETURNING pulse_claims.task_id")
-        self._complete_sql_cache[rows] = sql
-        return sql
+        """Outcomes of any mix of kinds in one statement. A retry reopens the claim for its
+        next delivery: no ``finished_at``."""
+        return self._batch_update(
+            "complete", rows, ("task_id", "epoch", "token", "state", "outcome", "error"),
+            f"state = v.state, outcome = v.outcome, error = v.error, token = NULL, "
+            f"lease_until = NULL, finished_at = CASE WHEN v.state = '{OPEN}' THEN NULL "
+            f"ELSE {self.dialect._now} END",
+            f"pulse_claims.state IN ('{RESERVED}', '{RUNNING}')")
 
     def _stale(self, conn: sa.Connection, holder: str, stale: list[Completion], now: Any
                ) -> dict[str, str]:
