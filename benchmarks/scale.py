@@ -76,9 +76,7 @@ def _simulate(url: str, holders: list[str], offsets: list[float], start_at: floa
     for keeper in keepers:
         keeper._stop.set()  # stop renewing (no release at the end: not part of the test)
     for keeper in keepers:
-        keeper._ops.put(None)
-        for thread in keeper._threads:
-            thread.join(timeout=5)
+        keeper.stop(release=False)
         latencies += keeper.counters.renew_latency
         renewals += keeper.counters.renewals
         failures += keeper.counters.renew_failures

@@ -35,14 +35,15 @@ def classify(query: str) -> str:
     if "PULSE_CLAIMS" in q:
         if "INSERT INTO PULSE_CLAIMS" in q:
             return "reserve"
-        if q.startswith("UPDATE") and " SET " in q:
-            set_clause = q.split(" SET ", 1)[1].split(" WHERE ", 1)[0]
-            if "STARTED_AT" in set_clause and "RUNNING" not in set_clause and "NULL" not in set_clause:
-                return "start"
+        update = re.search(r"(?:^|\) )UPDATE PULSE_CLAIMS SET (.*?) (?:FROM|WHERE) ", q)
+        if update:  # plain, or after a ``WITH v(..) AS (VALUES ..)`` of batched leases
+            set_clause = update.group(1)
             if set_clause.startswith("LEASE_UNTIL") and "SKIP LOCKED" in q:
                 return "renew"
             if "OUTCOME" in set_clause or "FINISHED_AT" in set_clause:
                 return "complete"
+            if set_clause.startswith("LEASE_UNTIL") and "STARTED_AT" in set_clause:
+                return "other"  # release (sets the lease first; constants become $n)
             if "STARTED_AT" in set_clause:
                 return "start"
         if "SKIP LOCKED" in q or "ORDER BY PULSE_CLAIMS.LEASE_UNTIL" in q:

@@ -157,7 +157,7 @@ class LeaseKeeper:
             thread.start()
             self._threads.append(thread)
 
-    def stop(self) -> None:
+    def stop(self, *, release: bool = True) -> None:
         """Flush queued completions, release reservations never started, stop threads."""
         self._starts.put(None)
         self._ops.put(None)
@@ -171,7 +171,7 @@ class LeaseKeeper:
             # stopped in between): none of them ran.
             unstarted = [c for c in self.claims.values() if c.state == RESERVED
                          or (c.state == RUNNING and not c.in_pool)]
-        if unstarted:
+        if unstarted and release:
             try:
                 released = self.store.release(self.holder, [c.key for c in unstarted],
                                               never_ran=True)
