@@ -587,8 +587,13 @@ def bottleneck(prof: dict[str, Any], sq: dict[str, Any] | None) -> str:
         text += "The consumer loop is saturated: throughput is set by the parent. "
         fixes.append("take work off the consumer loop (acks and hand-offs in batches)")
     fixes.append("for tasks whose lost attempts are re-run anyway (acks_late, "
-                 "pulse_idempotent) pulse already records the start in the background: see "
-                 "their rows in section 1")
+                 "pulse_idempotent) pulse already records the start in the background (their "
+                 "rows in section 1: what is left there is CPU in the worker's main process)")
+    fixes.append("for the others, starting a job while the previous one in that process "
+                 "finishes would hide the round trip, at the price of sending a task that "
+                 "never ran to review if the worker dies in between; and less Python per task "
+                 "in the worker's main process (message capture, three thread hand-offs, "
+                 "SQLAlchemy execution), or one pipelined store connection")
     if fixes:
         text += "What would close it: " + "; ".join(fixes) + "."
     return text
@@ -638,24 +643,23 @@ def _md_sql(sq: dict[str, Any], lines: list[str], img: Path) -> None:
             f"{'met' if sq['per_task_lifecycle'] <= 3 else '**missed**'} and the ≤ 1 round trip "
             f"target is {'met' if sq['per_task_total'] <= 1 else '**missed**'}. ")
     if sq["per_task_total"] > 1:
-        text += (f"Group commit works for completions ({num(rpc['complete'], 1)} rows per "
-                 f"statement) and reservations ({num(rpc['reserve'], 1)} rows per statement), "
-                 f"but batches stay small because the worker never holds more than its prefetch "
-                 f"limit of reservations, and the start is one UPDATE per task from the pool "
-                 f"child ({sq['per_task']['start']:.2f} per task). Reaching ≤ 1 would need the "
-                 f"start folded into a batched statement (e.g. the parent authorising starts in "
-                 f"the same group commit as completions) and bigger reservation batches. ")
+        text += (f"Each kind is batched — reservations {num(rpc['reserve'], 1)}, starts "
+                 f"{num(rpc.get('start'), 1)} and completions {num(rpc['complete'], 1)} rows "
+                 f"per statement — but batches stay small: the worker never holds more than "
+                 f"its prefetch limit of reservations, and only `-c` jobs wait for a start at "
+                 f"any time. The three kinds also travel separately (a start must not wait "
+                 f"behind a reservation batch). Reaching ≤ 1 would need them in one round "
+                 f"trip (psycopg's pipeline mode) and a reservation window larger than the "
+                 f"prefetch limit. ")
     idle = sq["idle_per_second"]
     text += (f"Renewal is one statement per interval whatever the number of leases (O(1) per "
-             f"worker). An idle worker still sends {sq['idle_total_per_second']:.1f} statements "
-             f"per second: {idle['begin/commit']:.1f} of them BEGIN/COMMIT/ROLLBACK around "
-             f"reads and scans, {idle['beat'] + idle['other']:.1f} the beat's once-a-second "
+             f"worker). An idle worker sends {sq['idle_total_per_second']:.1f} statements "
+             f"per second: {idle['begin/commit']:.1f} of them BEGIN/COMMIT/ROLLBACK (the "
+             f"recover scan's transaction; reads run in autocommit), "
+             f"{idle['beat'] + idle['other']:.1f} the beat's once-a-second "
              f"reads of the schedule and the store clock (this worker is the beat leader; "
              f"only the leader ticks), {idle['recover']:.1f} recover scans, "
-             f"{idle['leader'] + idle['registry']:.2f} leader and registry renewals. Reads "
-             f"in autocommit (no BEGIN/ROLLBACK; the recover scan needs its transaction) would "
-             f"cut that by up to "
-             f"{100 * idle['begin/commit'] / max(sq['idle_total_per_second'], 1e-9):.0f}%.")
+             f"{idle['leader'] + idle['registry']:.2f} leader and registry renewals.")
     lines.append(text)
 
 
