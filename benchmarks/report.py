@@ -193,8 +193,7 @@ def _save(fig: Any, img: Path, name: str) -> str:
 def plot_throughput(tp: dict[str, Any], img: Path) -> str:
     groups = [(r["broker"], r["workload"]) for r in tp["summary"] if r["variant"] == "prefork"]
     variants = ("prefork", "pulse-postgres", "pulse-sqlite")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2),
-                                      gridspec_kw={"width_ratios": [3, 2]})
+    fig, (left, right) = plt.subplots(2, 1, figsize=(11, 8.5))
     width = 0.27
     for i, variant in enumerate(variants):
         rates, ratios = [], []
@@ -208,7 +207,8 @@ def plot_throughput(tp: dict[str, Any], img: Path) -> str:
         if variant != "prefork":
             right.bar([g + (i - 1.5) * width for g in range(len(groups))], ratios, width,
                       label=STORE_LABEL[variant], color=COLORS[variant])
-    names = [f"{tp['workloads'][w]}\n{BROKER_LABEL[b]}" for b, w in groups]
+    names = [f"{tp['workloads'][w].replace(', ', chr(10))}\n{BROKER_LABEL[b]}"
+             for b, w in groups]
     left.set_xticks(range(len(groups)), names, fontsize=8)
     left.set_yscale("log")
     left.set_ylabel("tasks / s (log scale)")
