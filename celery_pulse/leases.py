@@ -181,9 +181,20 @@ class LeaseKeeper:
                                "at most %gs): %s", self.ttl, exc)
 
     def release_unstarted(self, why: str) -> int:
-        """Drop local reservations not yet started and expire them in the store now."""
+        """The pool forgot every job no process accepted yet (a broker reconnect).
+
+        Reservations, and starts whose job never reached the pool, never ran: expired in
+        the store now, for immediate re-dispatch. A job handed to the pool but not yet
+        accepted by a process may or may not be running: its lease is given up (lost)
+        without a release, so Recover decides by the task's policy once it expires.
+        """
         with self._lock:
-            unstarted = [c for c in self.claims.values() if c.state == RESERVED]
+            unstarted = [c for c in self.claims.values() if c.state == RESERVED
+                         or (c.state == RUNNING and not c.in_pool)]
+            unknown = [c for c in self.claims.values()
+                       if c.state == RUNNING and c.in_pool and c.pid is None]
+        for claim in unknown:
+            self._lose(claim, f"{why}: the pool dropped the job before a process accepted it")
         now = self.monotonic()
         for claim in unstarted:
             with self._lock:
@@ -194,7 +205,7 @@ class LeaseKeeper:
         if not unstarted:
             return 0
         try:
-            return self.store.release(self.holder, [c.key for c in unstarted])
+            return self.store.release(self.holder, [c.key for c in unstarted], never_ran=True)
         except PulseError as exc:
             logger.warning("pulse: could not release %d reservation(s) (they expire within "
                            "%gs): %s", len(unstarted), self.ttl, exc)

@@ -37,6 +37,8 @@ from celery_pulse.store.sql import open_store
 
 logger = logging.getLogger(__name__)
 
+#: Shortest ``visibility_timeout`` pulse sets on Redis (seconds).
+REDIS_VISIBILITY_MIN = 30.0
 #: GIL switch interval in the worker's main process (seconds).
 SWITCH_INTERVAL = 0.0005
 
@@ -298,6 +300,27 @@ class PulseWorker:
         }
 
 
+def _short_redis_visibility(app: Any, settings: Settings) -> None:
+    """On Redis, give a dead consumer's unacknowledged deliveries back within minutes.
+
+    Under pulse only deliveries not reserved yet are unacknowledged (the few milliseconds
+    before their reservation commits, or a store outage), and a copy delivered twice is
+    refused by the claim table. Redis's default ``visibility_timeout`` (an hour) would
+    leave a SIGKILLed worker's in-flight deliveries stuck that long. A value the user set
+    is kept.
+    """
+    options = dict(app.conf.broker_transport_options or {})
+    if "visibility_timeout" in options:
+        return
+    try:
+        driver = app.connection_for_read().transport.driver_type
+    except Exception:  # an unknown transport: leave it alone
+        return
+    if driver == "redis":
+        options["visibility_timeout"] = max(REDIS_VISIBILITY_MIN, 10 * settings.lease_ttl)
+        app.conf.broker_transport_options = options
+
+
 class Runtime(bootsteps.StartStopStep):
     """Builds ``worker.pulse`` (a :class:`PulseWorker`) or stops the process."""
 
@@ -319,6 +342,7 @@ class Runtime(bootsteps.StartStopStep):
             logger.warning("pulse: this worker also runs Celery's own beat (-B) while "
                            "pulse_beat is on: every slot may fire twice. Drop -B; pulse's "
                            "leader-elected beat already runs in every -P pulse worker.")
+        _short_redis_visibility(w.app, settings)
         w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store)
         return self
 

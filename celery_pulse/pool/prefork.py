@@ -77,8 +77,10 @@ class TaskPool(prefork.TaskPool):
             logger.warning("pulse: starting task %s failed, retrying: %s", claim.task_id, result)
             self.pulse.loop.later(0.2, self._retry_start, claim, job)
             return None
+        if result is True and (claim.state == LOST or not self.pulse.keeper.is_live(claim)):
+            result = False  # lost between the start's commit and now: never hand it over
         if result is not True:
-            why = ("the store refused the start" if result is False
+            why = ("the store refused the start, or the lease was lost" if result is False
                    else f"the store could not be reached to start it: {result}")
             self._drop(claim, claim.request, why)
             self._release_permit()
