@@ -436,10 +436,16 @@ def delete_queue(broker: str, name: str) -> None:
 
 
 def queue_depth(broker: str, name: str) -> int:
+    from amqp.exceptions import ChannelError
     from kombu import Connection
 
     with Connection(broker) as conn:
-        _, depth, _ = kombu_queue(name)(conn.default_channel).queue_declare(passive=True)
+        try:
+            _, depth, _ = kombu_queue(name)(conn.default_channel).queue_declare(passive=True)
+        except ChannelError as exc:  # Redis: an emptied queue's list key is gone
+            if "404" not in str(exc):
+                raise
+            return 0
         return int(depth)
 
 
