@@ -20,6 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_pulse import testing
 from tests.helpers import pg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,15 +64,8 @@ def retrying(fn: Callable[[], Any], what: str, attempts: int = 3) -> tuple[Any, 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
              interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns a truthy value; TimeoutError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+    """The test suite's poll, raising TimeoutError (the runner's retries rely on it)."""
+    return testing.wait_for(predicate, timeout, what, interval, error=TimeoutError)
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -112,18 +106,20 @@ def kill_all() -> None:
         reap(proc, timeout=5)
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    out = []
+def _proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """``(pid, fields after the command name)`` of every process in /proc/*/stat."""
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat) as fh:
                 fields = fh.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            out.append(int(stat.split("/")[2]))
-    return out
+        yield int(stat.split("/")[2]), fields
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    return [pid for pid, fields in _proc_stats() if fields[0] != "Z" and int(fields[2]) == pgid]
 
 
 def pid_alive(pid: int) -> bool:
@@ -179,16 +175,7 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
 
 
 def children_of(ppid: int) -> list[int]:
-    out = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == ppid:
-            out.append(int(stat.split("/")[2]))
-    return out
+    return [pid for pid, fields in _proc_stats() if int(fields[1]) == ppid]
 
 
 # -- a run's scratch space and worker processes ------------------------------------------------

@@ -166,11 +166,7 @@ class LeaseKeeper:
         self._stop.set()
         for thread in self._threads[2:]:
             thread.join(timeout=self.interval + 5)
-        with self._lock:
-            # Reservations, and starts whose job never reached the pool (the worker
-            # stopped in between): none of them ran.
-            unstarted = [c for c in self.claims.values() if c.state == RESERVED
-                         or (c.state == RUNNING and not c.in_pool)]
+        unstarted = self._never_ran()
         if unstarted and release:
             try:
                 released = self.store.release(self.holder, [c.key for c in unstarted],
@@ -180,6 +176,12 @@ class LeaseKeeper:
                 logger.warning("pulse: could not release reservations (they expire in "
                                "at most %gs): %s", self.ttl, exc)
 
+    def _never_ran(self) -> list[LocalClaim]:
+        """Reservations, and starts whose job never reached the pool: none of them ran."""
+        with self._lock:
+            return [c for c in self.claims.values() if c.state == RESERVED
+                    or (c.state == RUNNING and not c.in_pool)]
+
     def release_unstarted(self, why: str) -> int:
         """The pool forgot every job no process accepted yet (a broker reconnect).
 
@@ -188,9 +190,8 @@ class LeaseKeeper:
         accepted by a process may or may not be running: its lease is given up (lost)
         without a release, so Recover decides by the task's policy once it expires.
         """
+        unstarted = self._never_ran()
         with self._lock:
-            unstarted = [c for c in self.claims.values() if c.state == RESERVED
-                         or (c.state == RUNNING and not c.in_pool)]
             unknown = [c for c in self.claims.values()
                        if c.state == RUNNING and c.in_pool and c.pid is None]
         for claim in unknown:

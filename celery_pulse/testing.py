@@ -67,15 +67,15 @@ FAST_SETTINGS: dict[str, Any] = {
 
 
 def wait_for(predicate: Callable[[], T | None], timeout: float = 10.0, what: str = "a condition",
-             interval: float = 0.05) -> T:
-    """Poll ``predicate`` until it returns something truthy; AssertionError after ``timeout``."""
+             interval: float = 0.05, error: type[Exception] = AssertionError) -> T:
+    """Poll ``predicate`` until it returns something truthy; ``error`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            raise error(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
 
 

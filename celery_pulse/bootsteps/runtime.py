@@ -313,7 +313,8 @@ def _short_redis_visibility(app: Any, settings: Settings) -> None:
     if "visibility_timeout" in options:
         return
     try:
-        driver = app.connection_for_read().transport.driver_type
+        with app.connection_for_read() as connection:  # not connected: only its transport
+            driver = connection.transport.driver_type
     except Exception:  # an unknown transport: leave it alone
         return
     if driver == "redis":

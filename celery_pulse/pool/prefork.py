@@ -65,9 +65,13 @@ class TaskPool(prefork.TaskPool):
         # Celery calls us only with a pool process free for the job (its semaphore), so
         # this is the moment to authorise the start: in the next group commit, and the
         # child gets the job once the claim is ``running`` (no SQL in the child).
-        pulse.keeper.submit_start(claim, lambda result: pulse.loop.call(
-            self._started, claim, job, result))
+        self._submit_start(claim, job)
         return None
+
+    def _submit_start(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]]) -> None:
+        """Queue the start; its outcome comes back to ``_started`` on the loop."""
+        self.pulse.keeper.submit_start(claim, lambda result: self.pulse.loop.call(
+            self._started, claim, job, result))
 
     def _started(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
                  result: bool | PulseError, start_in_child: bool = False) -> Any:
@@ -105,8 +109,7 @@ class TaskPool(prefork.TaskPool):
         if claim.state == LOST or not self.pulse.keeper.is_live(claim):
             self._started(claim, job, False)
             return
-        self.pulse.keeper.submit_start(claim, lambda result: self.pulse.loop.call(
-            self._started, claim, job, result))
+        self._submit_start(claim, job)
 
     # -- callbacks (run on the consumer loop) ---------------------------------------------
     def _on_accepted(self, claim: LocalClaim, original: Any) -> Any:
