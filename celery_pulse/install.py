@@ -47,6 +47,22 @@ def _warn_on_celery_beat(app: Any) -> None:
     beat_init.connect(warn, weak=False, dispatch_uid=f"celery-pulse-beat-warning-{id(app)}")
 
 
+def stamp_publication(headers: Any = None, **_kwargs: Any) -> None:
+    """``before_task_publish``: give every publication of a task an identity of its own.
+
+    A redelivery of one message carries the same ``pulse_pub`` (and Recover re-publishes
+    the stored message with it), a new publication of the same task id (``Task.replace``,
+    a retry, a signature applied again, a fixed ``task_id``) a new one: the first is a
+    duplicate, the second a new run once the previous run has ended.
+    """
+    import uuid
+
+    from celery_pulse.bootsteps.intake import PUBLICATION_HEADER
+
+    if isinstance(headers, dict) and headers.get("id"):  # task protocol 2
+        headers[PUBLICATION_HEADER] = uuid.uuid4().hex
+
+
 def install(app: Any) -> Any:
     """Add the pulse bootsteps to ``app`` and the ``pulse`` pool name. Idempotent.
 
@@ -56,8 +72,12 @@ def install(app: Any) -> Any:
     from celery_pulse.bootsteps.registry import Registry
     from celery_pulse.bootsteps.runtime import Runtime
 
+    from celery.signals import before_task_publish
+
     register_pool_alias()
     _warn_on_celery_beat(app)
+    before_task_publish.connect(stamp_publication, weak=False,
+                                dispatch_uid="celery-pulse-publication")
     if str(app.conf.broker_url or "").startswith("filesystem"):
         from celery_pulse.embedded import atomic_filesystem_puts
 

@@ -42,7 +42,9 @@ from celery_pulse.store.base import (
 logger = logging.getLogger(__name__)
 
 RESERVED, RUNNING, LOST = "reserved", "running", "lost"
-#: How long a lost, never-started claim is remembered (so a late request is dropped).
+#: How long a lost, never-started claim stays in the table (for the intake's duplicate
+#: check only: the adapter binds each claim to its request, so a late request still
+#: finds its lost claim and is dropped however long it waited).
 LOST_MEMORY = 300.0
 #: Completions wait up to this long (seconds) or for this many to share a statement.
 COMPLETION_DELAY = 0.005
@@ -73,8 +75,14 @@ class LocalClaim:
     #: Recover re-dispatches this task whether it started or not (acks_late, idempotent):
     #: its start is recorded in the background instead of before the body.
     start_in_background: bool = False
-    #: Opaque adapter data (the Celery request).
+    #: The publication this grant belongs to (None: the message carried none).
+    publication: str | None = None
+    #: The adapter asked for the job to be run (it may be waiting for its start).
+    applied: bool = False
+    #: Opaque adapter data (the Celery request, the captured message, its verdict).
     request: Any = None
+    message: Any = None
+    verdict: str | None = None
 
     @property
     def key(self) -> tuple[str, int, str]:
@@ -140,6 +148,9 @@ class LeaseKeeper:
         self.listener = listener
         self.monotonic = monotonic
         self.claims: dict[str, LocalClaim] = {}
+        #: Lost claims still running in a pool process whose table entry a newer grant of
+        #: the same task took: still hard-stopped when they ignore LeaseLost.
+        self._displaced: dict[tuple[str, int, str], LocalClaim] = {}
         self._unstarted = 0
         self.counters = Counters()
         self._lock = threading.RLock()
@@ -157,8 +168,12 @@ class LeaseKeeper:
             thread.start()
             self._threads.append(thread)
 
-    def stop(self, *, release: bool = True) -> None:
-        """Flush queued completions, release reservations never started, stop threads."""
+    def stop(self, *, release: bool = True, pool_drained: bool = False) -> None:
+        """Flush queued completions, release reservations never started, stop threads.
+
+        ``pool_drained``: the pool has stopped after running every job a process accepted
+        (warm shutdown), so a job no process ever accepted never ran either.
+        """
         self._starts.put(None)
         self._ops.put(None)
         for thread in self._threads[:2]:
@@ -166,7 +181,7 @@ class LeaseKeeper:
         self._stop.set()
         for thread in self._threads[2:]:
             thread.join(timeout=self.interval + 5)
-        unstarted = self._never_ran()
+        unstarted = self._never_ran(pool_drained)
         if unstarted and release:
             try:
                 released = self.store.release(self.holder, [c.key for c in unstarted],
@@ -176,11 +191,16 @@ class LeaseKeeper:
                 logger.warning("pulse: could not release reservations (they expire in "
                                "at most %gs): %s", self.ttl, exc)
 
-    def _never_ran(self) -> list[LocalClaim]:
-        """Reservations, and starts whose job never reached the pool: none of them ran."""
+    def _never_ran(self, pool_drained: bool = False) -> list[LocalClaim]:
+        """Reservations, and starts whose job never reached the pool: none of them ran.
+
+        With ``pool_drained``, also jobs handed to the pool that no process accepted (a
+        pool process acknowledges a job before it runs it).
+        """
         with self._lock:
             return [c for c in self.claims.values() if c.state == RESERVED
-                    or (c.state == RUNNING and not c.in_pool)]
+                    or (c.state == RUNNING and (not c.in_pool
+                                                or (pool_drained and c.pid is None)))]
 
     def release_unstarted(self, why: str) -> int:
         """The pool forgot every job no process accepted yet (a broker reconnect).
@@ -214,14 +234,18 @@ class LeaseKeeper:
 
     # -- the local table ------------------------------------------------------
     def add(self, grant: Grant, sent_at: float, retries: int, scheduled: bool,
-            start_in_background: bool = False) -> LocalClaim:
+            start_in_background: bool = False, publication: str | None = None,
+            message: Any = None) -> LocalClaim:
         claim = LocalClaim(grant.task_id, grant.epoch, grant.token,
                            sent_at + self.ttl - self.margin, retries, scheduled=scheduled,
-                           counted=not scheduled, start_in_background=start_in_background)
+                           counted=not scheduled, start_in_background=start_in_background,
+                           publication=publication, message=message)
         with self._lock:
             old = self.claims.get(claim.task_id)
             if old is not None:
                 self._uncount(old)
+                if old.state == LOST and old.pid is not None:
+                    self._displaced[old.key] = old  # still due its hard stop
             self.claims[claim.task_id] = claim
             if claim.counted:
                 self._unstarted += 1
@@ -236,6 +260,7 @@ class LeaseKeeper:
             self._uncount(claim)
             if self.claims.get(claim.task_id) is claim:
                 del self.claims[claim.task_id]
+            self._displaced.pop(claim.key, None)
 
     def mark_running(self, claim: LocalClaim, sent_at: float | None = None) -> bool:
         """The store moved the claim to ``running``; False if it was lost meanwhile.
@@ -452,7 +477,7 @@ class LeaseKeeper:
         """Lose every lease past its local deadline; hard-stop what ignored LeaseLost."""
         now = self.monotonic()
         with self._lock:
-            claims = list(self.claims.values())
+            claims = [*self.claims.values(), *self._displaced.values()]
         for claim in claims:
             if claim.state in (RESERVED, RUNNING) and now >= claim.deadline:
                 self._lose(claim, "self-fenced: no successful renewal before the local deadline")

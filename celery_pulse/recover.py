@@ -11,7 +11,10 @@ under a new epoch) and acts on the verdict:
   is unknown; a human decides (``celery pulse review``).
 * ``failed``: the attempt budget is spent.
 
-The same thread purges finished claims past the retention window, in small batches.
+The same thread purges finished claims past the retention window, in small batches,
+and gives claims back for another delivery when their holder asks (:meth:`requeue`:
+Celery's ``Reject(requeue=True)`` and the other requeue paths), publishing them the
+same way.
 """
 
 from __future__ import annotations
@@ -52,8 +55,11 @@ class Recoverer:
         self.purge = purge
         self.monotonic = monotonic
         self.counts = {"recovered": 0, "redispatched": 0, "needs_review": 0, "failed": 0,
-                       "purged": 0}
+                       "purged": 0, "requeued": 0}
         self._next_purge = 0.0
+        self._requeues: list[tuple[str, int, str]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -63,44 +69,91 @@ class Recoverer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._requeues:  # still held by this worker: publish them before it goes
+            try:
+                self.requeue_pending()
+            except PulseError as exc:
+                logger.warning("pulse: could not requeue %d task(s) before exit (their "
+                               "leases expire and Recover takes them): %s",
+                               len(self._requeues), exc)
+
+    def requeue(self, lease: tuple[str, int, str]) -> None:
+        """Queue ``lease`` (held by this worker) to go back to the broker, soon."""
+        with self._lock:
+            self._requeues.append(lease)
+        self._wake.set()
+
+    def requeue_pending(self) -> list[Recovered]:
+        with self._lock:
+            leases, self._requeues = self._requeues, []
+        if not leases:
+            return []
+        try:
+            items = self.store.requeue(self.scanner, leases, self.publish_ttl)
+        except PulseError:
+            with self._lock:  # the leases are still ours until they expire: try again
+                self._requeues[:0] = leases
+            raise
+        self._publish_all(items, requeued=True)
+        return items
 
     def _run(self) -> None:
+        next_scan = 0.0
         while not self._stop.is_set():
             delay = self.interval
             try:
-                taken = self.scan_once()
-                if len(taken) >= self.batch:
-                    delay = 0.0  # more are waiting
-                self.maybe_purge()
+                self.requeue_pending()
+                if self.monotonic() >= next_scan:
+                    next_scan = self.monotonic() + self.interval
+                    taken = self.scan_once()
+                    if len(taken) >= self.batch:
+                        next_scan = 0.0  # more are waiting
+                    self.maybe_purge()
+                delay = max(0.0, next_scan - self.monotonic())
             except PulseError as exc:
                 logger.warning("pulse: recover scan failed: %s", exc)
             except Exception:
                 logger.exception("pulse: recover scan failed unexpectedly")
-            self._stop.wait(delay)
+            self._wake.wait(delay)
+            self._wake.clear()
 
     def scan_once(self) -> list[Recovered]:
         taken = self.store.recover(self.scanner, self.batch, self.publish_ttl)
+        self._publish_all(taken)
+        return taken
+
+    def _publish_all(self, taken: list[Recovered], requeued: bool = False) -> None:
+        """Re-publish the ``open`` ones, then mark them published in one statement.
+
+        One not marked published keeps its publish lease: once that expires, a later
+        scan (ours or another worker's) tries again.
+        """
         published: list[tuple[str, int, str]] = []
         for item in taken:
-            self.counts["recovered"] += 1
             if item.state == OPEN and item.token is not None:
                 try:
                     self.publish(item)
                 except Exception as exc:
-                    # Not marked published: its publish lease expires and a later
-                    # scan (ours or another worker's) tries again.
-                    logger.error("pulse: re-publishing %s failed, will retry: %r",
+                    logger.error("pulse: publishing %s failed, Recover retries: %r",
                                  item.task_id, exc)
                     continue
                 published.append((item.task_id, item.epoch, item.token))
+                if requeued:
+                    self.counts["requeued"] = self.counts.get("requeued", 0) + 1
+                    logger.info("pulse: %s[%s] requeued as epoch %d", item.task_name,
+                                item.task_id, item.epoch)
+                    continue
+                self.counts["recovered"] += 1
                 self.counts["redispatched"] += 1
                 logger.warning("pulse: recovered %s[%s] (was %s): re-dispatched as epoch %d",
                                item.task_name, item.task_id, item.was, item.epoch)
             elif item.state == OPEN:
                 continue
             else:
+                self.counts["recovered"] += 1
                 self.counts[item.state] = self.counts.get(item.state, 0) + 1
                 logger.warning("pulse: recovered %s[%s] (was %s): %s", item.task_name,
                                item.task_id, item.was, item.state.replace("_", " "))
@@ -110,7 +163,6 @@ class Recoverer:
                 logger.exception("pulse: recover listener failed")
         if published:
             self.store.mark_published(published)
-        return taken
 
     def maybe_purge(self) -> None:
         if self.purge is None:

@@ -2,12 +2,18 @@
 
 Per delivery (on the consumer loop):
 
-1. a task we already hold locally (same or older ``retries``) is a duplicate;
-2. otherwise the reservation is queued for the next group commit, and the message
+1. a delivery of a task id whose reservation is in flight waits for that one to
+   settle (one holder never asks twice for one task);
+2. a task we already hold locally is a duplicate if it is the same publication
+   (``pulse_pub`` header; without one: same or older ``retries``); a new publication
+   (a retry, ``Task.replace``, an id sent again) waits until that attempt has ended;
+3. otherwise the reservation is queued for the next group commit, and the message
    stays unacknowledged meanwhile;
-3. granted -> ack, then hand the message to Celery's own strategy (with no-op
-   ack/reject, since it is acked already); refused -> ack and drop (duplicate,
-   finished, or budget spent); store unreachable -> no ack, stop consuming, retry.
+4. granted -> ack, then hand the message to Celery's own strategy with ``ack`` and
+   ``reject`` bound to the claim (:class:`CeleryVerdict`): they tell pulse how Celery
+   ended the request (dropped as revoked or expired, rejected, requeued); refused ->
+   ack and drop (duplicate, finished, or budget spent), or wait for a live attempt of
+   another publication to end; store unreachable -> no ack, stop consuming, retry.
 """
 
 from __future__ import annotations
@@ -19,18 +25,61 @@ from typing import Any
 
 from celery_pulse.bootsteps.loop import LoopCaller
 from celery_pulse.errors import PulseError
-from celery_pulse.leases import LOST
-from celery_pulse.store.base import Grant, Message, Refusal, ReserveRequest
+from celery_pulse.leases import LOST, LocalClaim
+from celery_pulse.store.base import FAILED, Grant, Message, Refusal, ReserveRequest
 
 logger = logging.getLogger(__name__)
 
 _DROP_PROPERTIES = ("delivery_tag", "delivery_info", "body_encoding")
 #: The consume gate's reason while over the prefetch limit (brokers without holding).
 PREFETCH_LIMIT = "prefetch limit"
+#: Message header naming the publication (stamped by pulse's ``before_task_publish``).
+PUBLICATION_HEADER = "pulse_pub"
+#: A delivery waiting for an attempt of its task id to end looks again this often
+#: (seconds), in case no end is reported (the end normally wakes it at once).
+WAIT_POLL = 1.0
 
 
-def _noop(*_args: Any, **_kwargs: Any) -> None:
-    return None
+class CeleryVerdict:
+    """Celery's ``on_ack``/``on_reject`` for one leased request, bound to its claim.
+
+    The message was acknowledged at reservation; what Celery says here is how it ends
+    the request: an ``ack`` before the job reached the pool means Celery dropped it
+    (revoked or expired), a ``reject`` says requeue or drop. The pool also finds the
+    claim of a request here (``bound_claim``), never by task id alone.
+    """
+
+    __slots__ = ("claim", "kind", "pulse")
+
+    def __init__(self, pulse: Any, claim: LocalClaim, kind: str) -> None:
+        self.pulse = pulse
+        self.claim = claim
+        self.kind = kind
+
+    def __call__(self, _logger: Any = None, _errors: Any = None, requeue: bool = False) -> None:
+        self.pulse.celery_verdict(self.claim, self.kind, requeue)
+
+
+def bound_claim(request: Any) -> LocalClaim | None:
+    """The claim a Celery request was created for (None: not a leased request)."""
+    verdict = getattr(request, "_on_ack", None)
+    return verdict.claim if isinstance(verdict, CeleryVerdict) else None
+
+
+def publication_of(headers: Any) -> str | None:
+    value = headers.get(PUBLICATION_HEADER)
+    return str(value)[:64] if value else None
+
+
+class _Waiting:
+    """A delivery parked until an attempt of its task id ends (fired once)."""
+
+    __slots__ = ("args", "fired", "handler")
+
+    def __init__(self, handler: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.handler = handler
+        self.args = args
+        self.fired = False
 
 
 def capture(message: Any) -> Message:
@@ -65,6 +114,11 @@ class Intake:
         self.keeper = pulse.keeper
         self.loop: LoopCaller = pulse.loop
         self.pending = 0
+        #: Task ids whose reservation is in flight -> deliveries of the same id that
+        #: arrived meanwhile (decided once it settles).
+        self.inflight: dict[str, list[tuple[Any, ...]]] = {}
+        #: Task ids held locally -> deliveries of a new publication waiting for the end.
+        self.waiting_for_end: dict[str, list[_Waiting]] = {}
         #: Deliveries over the prefetch limit, not acknowledged, in arrival order.
         self.waiting: collections.deque[tuple[Any, ...]] = collections.deque()
         self._store_down = False
@@ -85,15 +139,21 @@ class Intake:
             if not task_id:  # task protocol 1: not leased
                 return inner(message, body, ack, reject, callbacks, **kwargs)  # type: ignore[no-any-return]
             retries = int(headers.get("retries") or 0)
+            publication = publication_of(headers)
+            if task_id in self.inflight:
+                self.inflight[task_id].append((message, body, None, None, callbacks))
+                return None
             local = self.keeper.get(task_id)
             if local is not None and local.state != LOST:
-                if retries <= local.retries:
+                if (local.publication == publication if publication
+                        else retries <= local.retries):
                     message.ack()
                     self.pulse.duplicate(task_id, task.name, self.keeper.holder, local.epoch,
                                          "already held by this worker")
                     return None
-                # A retry of a task we still run: wait until that attempt completes.
-                self.loop.later(0.2, handler, message, body, ack, reject, callbacks)
+                # A new publication of a task we still hold (a retry, a replacement):
+                # it runs once that attempt has ended.
+                self._wait_for_end(task_id, handler, (message, body, None, None, callbacks))
                 return None
             if not admitted and (self.waiting or self._over_prefetch_limit(headers)):
                 if self._holds_over_limit():
@@ -109,8 +169,9 @@ class Intake:
                 self.paused_at_limit = True
                 self.pulse.gate.close(PREFETCH_LIMIT)
             request = ReserveRequest(task_id, task.name, capture(message), policy,
-                                     max_attempts, retries)
+                                     max_attempts, retries, publication)
             self.pending += 1
+            self.inflight[task_id] = []
 
             def on_result(result: Any, sent: float) -> None:
                 self.loop.call(self._settle, result, sent, request, message, body, callbacks,
@@ -123,6 +184,28 @@ class Intake:
             return None
 
         return handler
+
+    def _wait_for_end(self, task_id: str, handler: Callable[..., Any],
+                      args: tuple[Any, ...]) -> None:
+        entry = _Waiting(handler, args)
+        self.waiting_for_end.setdefault(task_id, []).append(entry)
+        self.loop.later(WAIT_POLL, self._fire, task_id, entry)
+
+    def claim_ended(self, task_id: str) -> None:
+        """On the loop: an attempt of ``task_id`` held here ended; look at its waiters."""
+        for entry in self.waiting_for_end.pop(task_id, []):
+            self._fire(task_id, entry)
+
+    def _fire(self, task_id: str, entry: _Waiting) -> None:
+        if entry.fired:
+            return
+        entry.fired = True
+        waiters = self.waiting_for_end.get(task_id)
+        if waiters is not None:
+            waiters[:] = [w for w in waiters if w is not entry]
+            if not waiters:
+                del self.waiting_for_end[task_id]
+        entry.handler(*entry.args)
 
     def drain_waiting(self) -> None:
         """Reserve held deliveries while there is room under the prefetch limit."""
@@ -220,15 +303,18 @@ class Intake:
                 handler: Callable[..., Any]) -> None:
         """On the loop thread: act on the reservation's outcome."""
         self.pending -= 1
+        same_id = self.inflight.pop(request.task_id, [])
         try:
             if isinstance(result, Grant):
                 self._store_ok()
                 scheduled = bool((message.headers or {}).get("eta"))
-                self.keeper.add(result, sent, request.retries, scheduled,
-                                start_in_background=request.policy == "redispatch")
+                claim = self.keeper.add(result, sent, request.retries, scheduled,
+                                        start_in_background=request.policy == "redispatch",
+                                        publication=request.publication,
+                                        message=request.message)
                 self.keeper.counters.reserved += 1
                 self.pulse.ack(message)
-                inner(message, body, _noop, _noop, callbacks)
+                self._hand_to_celery(claim, inner, message, body, callbacks)
             elif isinstance(result, Refusal):
                 self._store_ok()
                 self._refused(result, request, message, body, callbacks, handler)
@@ -238,12 +324,32 @@ class Intake:
                 if self.loop.hub is not None:
                     self.loop.later(self._backoff, handler, message, body, None, None, callbacks)
         finally:
+            for args in same_id:  # now decided against the settled reservation
+                self.loop.call(handler, *args)
             self.pulse.admit_waiting()
+
+    def _hand_to_celery(self, claim: LocalClaim, inner: Callable[..., Any], message: Any,
+                        body: Any, callbacks: Any) -> None:
+        """Celery's own strategy, with ack/reject bound to the claim.
+
+        If the strategy raises (an invalid message, a bad header), Celery will never run
+        the request: the claim ends ``failed`` instead of being renewed forever.
+        """
+        try:
+            inner(message, body, CeleryVerdict(self.pulse, claim, "ack"),
+                  CeleryVerdict(self.pulse, claim, "reject"), callbacks)
+        except Exception as exc:
+            logger.error("pulse: Celery refused task %s (%r): failed, not run",
+                         claim.task_id, exc)
+            self.pulse.end_unstarted(claim, FAILED, f"refused by Celery: {exc!r}"[:500])
 
     def _refused(self, refusal: Refusal, request: ReserveRequest, message: Any, body: Any,
                  callbacks: Any, handler: Callable[..., Any]) -> None:
-        if refusal.reason == "taken" and request.retries > refusal.retries:
-            # A retry published while the previous attempt is still finishing.
+        newer = (request.publication != refusal.publication if request.publication
+                 else request.retries > refusal.retries)
+        if refusal.reason == "taken" and newer:
+            # A new publication (a retry, a replacement, an id sent again) while an
+            # attempt of the previous one is still live: it runs once that one ends.
             self.loop.later(0.25, handler, message, body, None, None, callbacks)
             return
         self.pulse.ack(message)

@@ -32,7 +32,7 @@ from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.recover import Recoverer
 from celery_pulse.settings import Settings
-from celery_pulse.store.base import FAILED, NEEDS_REVIEW, LeaderGrant, Recovered
+from celery_pulse.store.base import FAILED, NEEDS_REVIEW, REVOKED, LeaderGrant, Recovered
 from celery_pulse.store.sql import open_store
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,59 @@ class PulseWorker:
     def _on_lost_leadership(self, grant: LeaderGrant) -> None:
         self.emit("pulse-leader-lost", key=grant.key, epoch=grant.epoch)
 
-    def shutdown(self) -> None:
+    # -- how Celery ends a request (on the loop) -----------------------------------------
+    def celery_verdict(self, claim: LocalClaim, kind: str, requeue: bool) -> None:
+        """Celery acknowledged (``ack``) or rejected (``reject``) a leased request.
+
+        An ack before the job went to the pool means Celery dropped the request (its id
+        is revoked, or it expired): the claim ends ``revoked``. A reject of a job in the
+        pool is remembered for the pool's result callback, which ends the claim; one
+        before the pool ends it now. A lost claim is left to the store (Recover).
+        """
+        if claim.state == LOST:
+            return
+        if kind == "ack":
+            if not claim.applied:
+                self.end_unstarted(claim, REVOKED, "revoked or expired before it ran")
+            return
+        if claim.applied:
+            claim.verdict = "requeue" if requeue else "reject"
+        elif requeue:
+            self.requeue(claim)
+        else:
+            self.end_unstarted(claim, FAILED, "rejected by Celery before it ran")
+
+    def end_unstarted(self, claim: LocalClaim, outcome: str, why: str) -> None:
+        """End a claim whose request Celery will never run, so it is never renewed again."""
+        logger.info("pulse: task %s epoch %d ends %s: %s", claim.task_id, claim.epoch,
+                    outcome, why)
+        self.complete(claim, outcome, why)
+
+    def complete(self, claim: LocalClaim, outcome: str, error: str | None) -> None:
+        """Record the claim's outcome; deliveries waiting for its end look again after."""
+        task_id = claim.task_id
+        self.keeper.submit_complete(claim, outcome, error,
+                                    lambda _result: self.loop.call(self.claim_ended, task_id))
+        self.admit_waiting()
+
+    def requeue(self, claim: LocalClaim) -> None:
+        """Celery's requeue: the task goes back to the broker as a new attempt (epoch + 1).
+
+        The store moves the claim to ``open`` under this worker's publish lease and the
+        recover thread publishes the stored message, as Recover does; if this worker dies
+        in between, Recover publishes it once the publish lease expires.
+        """
+        self.keeper.forget(claim)
+        self.recoverer.requeue(claim.key)
+        logger.info("pulse: task %s epoch %d requeued by Celery", claim.task_id, claim.epoch)
+        self.claim_ended(claim.task_id)
+        self.admit_waiting()
+
+    def claim_ended(self, task_id: str) -> None:
+        if self._intake is not None:
+            self._intake.claim_ended(task_id)
+
+    def shutdown(self, pool_drained: bool = False) -> None:
         """Called after in-flight tasks have finished (pool stopped): flush and deregister."""
         if self._shut:
             return
@@ -173,7 +225,7 @@ class PulseWorker:
         if self.elector is not None:
             self.elector.stop()  # releases: the next leader ticks within one interval
         self.recoverer.stop()
-        self.keeper.stop()
+        self.keeper.stop(pool_drained=pool_drained)
         if self.membership is not None:
             self.membership.stop(deregister=True)
 

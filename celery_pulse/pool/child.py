@@ -10,23 +10,34 @@ start itself (``start_in_child``). In the child it:
 2. makes the lease visible to the task (``current_lease()``);
 3. arms a ``SIGUSR2`` handler: when the parent revokes the lease, the handler raises
    :class:`LeaseLost` — but only while the task's own code is on the stack, never
-   inside Celery's tracer after the body (that must finish recording the outcome).
+   inside Celery's tracer after the body (that must finish recording the outcome);
+4. guards the task's result backend: a stale attempt (its lease lost) never writes its
+   state there, so a chord counts, and ``AsyncResult.get()`` sees, only the attempt
+   that holds the lease. The lease is checked right before each write, so the window
+   is one local check wide.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import signal
 from types import CodeType, FrameType
 from typing import Any
 
 from celery_pulse.errors import LeaseLost, PulseError
-from celery_pulse.lease import Lease, _set_current
+from celery_pulse.lease import Lease, _set_current, current_lease
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.store.sql.fence import make_fencer
 
+logger = logging.getLogger(__name__)
+
 LEASE_SIGNAL = signal.SIGUSR2
 REFUSED = "celery-pulse:start-refused"
+#: Result-backend methods Celery's tracer writes a task's state through.
+BACKEND_WRITES = ("store_result", "mark_as_done", "mark_as_failure", "mark_as_retry",
+                  "mark_as_revoked", "mark_as_started")
 
 
 @dataclasses.dataclass
@@ -109,6 +120,30 @@ def _on_lease_signal(signum: int, frame: FrameType | None) -> None:
         frame = frame.f_back
 
 
+def _guard_backend(backend: Any) -> None:
+    """Wrap ``backend``'s writes (once per backend instance) with the lease check."""
+    if backend is None or getattr(backend, "_pulse_guarded", False):
+        return
+    for name in BACKEND_WRITES:
+        method = getattr(backend, name, None)
+        if method is not None:
+            setattr(backend, name, _unless_lost(method, name))
+    backend._pulse_guarded = True
+
+
+def _unless_lost(method: Any, name: str) -> Any:
+    @functools.wraps(method)
+    def write(*args: Any, **kwargs: Any) -> Any:
+        lease = current_lease()
+        if lease is not None and lease.lost:
+            logger.warning("pulse: not writing %s for task %s epoch %d to the result "
+                           "backend: this attempt lost its lease", name, lease.task_id,
+                           lease.epoch)
+            return None
+        return method(*args, **kwargs)
+    return write
+
+
 def _install_handler() -> None:
     # Checked every time, not remembered: billiard resets "termination" signals
     # (SIGUSR2 among them) in each new child after Celery's process initializer ran,
@@ -146,6 +181,9 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         return (REFUSED, task_id)
     _armed = (lease, _task_codes(args[0]))
     _set_current(lease)
+    task = _context.app.tasks.get(args[0])
+    if task is not None:
+        _guard_backend(task.backend)
     try:
         return target(*args, **kwargs)
     finally:

@@ -4,10 +4,16 @@ Built on prefork so ``-c N``, time limits, ``max_tasks_per_child`` and revoke ke
 working. The module path contains "prefork" on purpose: Celery's Django fixup
 looks for it to decide how to handle database connections in children.
 
-``apply_async`` runs on the consumer loop: it looks up the task's local claim, wraps
-the callbacks and queues the start (reserved -> running) for the next group commit;
-once that commits, the job goes to the pool with the lease in the request dict (the
-child reads it). Children touch the store only through ``lease.fenced``.
+``apply_async`` runs on the consumer loop: it finds the claim the request was created
+for (bound to the request by the intake, never looked up by task id), wraps the
+callbacks and queues the start (reserved -> running) for the next group commit; once
+that commits, the job goes to the pool with the lease in the request dict (the child
+reads it). Children touch the store only through ``lease.fenced``.
+
+The result callbacks run Celery's own first (it may reject or requeue the request,
+see :class:`~celery_pulse.bootsteps.intake.CeleryVerdict`), then end the claim:
+succeeded, failed, retry, revoked (a revoke that terminated it) or requeued. A lost
+claim's attempt is stale: it ends nothing and writes nothing to the result backend.
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ import logging
 import weakref
 from typing import Any
 
+from billiard.exceptions import Terminated
 from celery.concurrency import prefork
 from celery.exceptions import Ignore, Retry
 from celery.worker import state as worker_state
 
+from celery_pulse.bootsteps.intake import bound_claim
 from celery_pulse.errors import LeaseLost, PulseError
 from celery_pulse.leases import LOST, LocalClaim
 from celery_pulse.pool import child
-from celery_pulse.store.base import FAILED, RETRY, SUCCEEDED
+from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +49,12 @@ class TaskPool(prefork.TaskPool):
 
     def apply_async(self, target: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         pulse = self.pulse
-        task_id = options.get("correlation_id")
-        claim: LocalClaim | None = pulse.keeper.get(task_id) if pulse and task_id else None
-        if claim is None or not args or not isinstance(args[2], dict):
-            return super().apply_async(target, args, kwargs, **options)
         callback = options.get("callback")
         request = getattr(callback, "__self__", None)
+        claim = bound_claim(request) if pulse is not None else None
+        if claim is None or not args or not isinstance(args[2], dict):
+            return super().apply_async(target, args, kwargs, **options)
+        claim.applied = True
         if claim.state == LOST or not pulse.keeper.is_live(claim):
             self._drop(claim, request, "lease lost before the task started")
             self._release_permit()
@@ -127,46 +135,56 @@ class TaskPool(prefork.TaskPool):
             if isinstance(result, tuple) and len(result) == 2 and result[0] == child.REFUSED:
                 self._drop(claim, claim.request, "the lease was lost before the body started")
                 return None
-            failed, retval = result[0], result[1]
-            if not failed:
-                self._finish(claim, SUCCEEDED, None)
-            else:
-                exc = _exception(retval)
-                if isinstance(exc, Retry):
-                    self._finish(claim, RETRY, None)
-                elif isinstance(exc, LeaseLost) or claim.state == LOST:
-                    self._forget(claim)  # the store decides; nothing to record as ours
-                elif isinstance(exc, Ignore):
-                    self._finish(claim, SUCCEEDED, "ignored")
-                else:
-                    self._finish(claim, FAILED, repr(exc))
-            return original(result) if original else None
+            try:
+                return original(result) if original else None
+            finally:
+                failed, retval = result[0], result[1]
+                self._end(claim, _exception(retval) if failed else None, failed)
         return on_result
 
     def _on_error(self, claim: LocalClaim, original: Any) -> Any:
         def on_error(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
-            value = original(exc_info, *args, **kwargs) if original else None
             if claim.hard_stopped or claim.state == LOST:
+                # A stale attempt (hard-stopped, or killed after its lease was lost): it
+                # must not write WorkerLostError to the result backend, nor count a chord
+                # part; the attempt that holds the lease now writes the outcome.
                 self._forget(claim)
-                lease_lost = LeaseLost(f"lease lost for task {claim.task_id} epoch "
-                                       f"{claim.epoch}: hard-stopped after ignoring LeaseLost")
-                try:
-                    self.pulse.app.backend.mark_as_failure(claim.task_id, lease_lost)
-                except Exception:
-                    logger.debug("pulse: no result backend to record LeaseLost", exc_info=True)
-            else:
-                self._finish(claim, FAILED, repr(getattr(exc_info, "exception", exc_info)))
-            return value
+                if claim.request is not None:
+                    worker_state.task_ready(claim.request)
+                return None
+            try:
+                return original(exc_info, *args, **kwargs) if original else None
+            finally:
+                self._end(claim, _exception(exc_info) or exc_info, True)
         return on_error
+
+    def _end(self, claim: LocalClaim, exc: Any, failed: bool) -> None:
+        """End the claim by what the attempt did and what Celery decided (its verdict)."""
+        request = claim.request
+        if claim.state == LOST or isinstance(exc, LeaseLost):
+            self._forget(claim)  # the store decides; nothing to record as ours
+        elif claim.verdict == "requeue":
+            self._free_slot(claim)
+            self.pulse.requeue(claim)
+        elif not failed:
+            self._finish(claim, SUCCEEDED, None)
+        elif isinstance(exc, Retry):
+            self._finish(claim, RETRY, None)
+        elif getattr(request, "_already_revoked", False) or isinstance(exc, Terminated):
+            self._finish(claim, REVOKED, "revoked and terminated")
+        elif isinstance(exc, Ignore):
+            self._finish(claim, SUCCEEDED, "ignored")
+        else:
+            self._finish(claim, FAILED, repr(exc)[:1000])
 
     def _finish(self, claim: LocalClaim, outcome: str, error: str | None) -> None:
         self._free_slot(claim)
-        self.pulse.keeper.submit_complete(claim, outcome, error)
-        self.pulse.admit_waiting()
+        self.pulse.complete(claim, outcome, error)
 
     def _forget(self, claim: LocalClaim) -> None:
         self._free_slot(claim)
         self.pulse.keeper.forget(claim)
+        self.pulse.claim_ended(claim.task_id)
         self.pulse.admit_waiting()
 
     def _free_slot(self, claim: LocalClaim) -> None:
@@ -196,12 +214,12 @@ class TaskPool(prefork.TaskPool):
     # -- shutdown ----------------------------------------------------------------------------
     def on_stop(self) -> None:
         super().on_stop()  # waits for in-flight tasks (warm shutdown); leases keep renewing
-        self._shutdown_pulse()
+        self._shutdown_pulse(pool_drained=True)
 
     def on_terminate(self) -> None:
         super().on_terminate()
         self._shutdown_pulse()
 
-    def _shutdown_pulse(self) -> None:
+    def _shutdown_pulse(self, pool_drained: bool = False) -> None:
         if self.pulse is not None:
-            self.pulse.shutdown()
+            self.pulse.shutdown(pool_drained=pool_drained)

@@ -118,14 +118,22 @@ class RegistryStore(abc.ABC):
 
 # -- task claims (seed 000 taskboard, seed 003 LEASED -> RUNNING) --------------------
 
-#: Claim states. ``open``: released (a retry, or Recover re-published it) and waiting
-#: for the next delivery to reserve it. ``needs_review``: a started attempt was lost
-#: and nobody can know whether its side effects happened.
+#: Claim states. ``open``: released (a retry, a requeue, or Recover re-published it) and
+#: waiting for the next delivery to reserve it. ``needs_review``: a started attempt was
+#: lost and nobody can know whether its side effects happened. ``revoked``: Celery
+#: dropped the request (revoked or expired) or terminated it on a revoke.
 RESERVED, RUNNING, OPEN = "reserved", "running", "open"
-SUCCEEDED, FAILED, NEEDS_REVIEW = "succeeded", "failed", "needs_review"
+SUCCEEDED, FAILED, NEEDS_REVIEW, REVOKED = "succeeded", "failed", "needs_review", "revoked"
 LIVE_STATES = (RESERVED, RUNNING)
-TERMINAL_STATES = (SUCCEEDED, FAILED, NEEDS_REVIEW)
-#: Completion outcomes a holder may report.
+TERMINAL_STATES = (SUCCEEDED, FAILED, NEEDS_REVIEW, REVOKED)
+#: Terminal states a *new publication* of the same task id may start over from (a
+#: needs-review task waits for a human, whatever is published meanwhile).
+RESTARTABLE_STATES = (SUCCEEDED, FAILED, REVOKED)
+#: Finished states retention purges.
+FINISHED_STATES = (SUCCEEDED, FAILED, REVOKED)
+#: Completion outcomes a holder may report: ``succeeded``, ``failed``, ``revoked``, or
+#: ``retry`` (the claim re-opens for the next delivery of the task: a Celery retry or a
+#: requeue).
 RETRY = "retry"
 POLICIES = ("redispatch", "review")
 
@@ -151,6 +159,10 @@ class ReserveRequest:
     max_attempts: int
     #: Celery's ``retries`` header: a higher value is a newer message for the same id.
     retries: int = 0
+    #: Identity of the publication (stamped by the publisher; None if it has none): a
+    #: redelivery of the same publication is a duplicate, a new publication of the same
+    #: task id is a new run once the previous one has ended.
+    publication: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,6 +195,8 @@ class Refusal:
     holder: str | None
     epoch: int
     retries: int
+    #: The publication the claim currently belongs to (None: unknown).
+    publication: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -190,7 +204,7 @@ class Completion:
     task_id: str
     epoch: int
     token: str
-    #: ``succeeded``, ``failed`` or ``retry`` (release for the retried delivery).
+    #: ``succeeded``, ``failed``, ``revoked`` or ``retry`` (re-open for the next delivery).
     outcome: str
     error: str | None = None
 
@@ -226,10 +240,15 @@ class ClaimStore(abc.ABC):
 
         A request is granted (epoch + 1, attempts + 1, new token, the message stored)
         when there is no claim, the claim is ``open``, or it is ``reserved`` and
-        either expired or already ``holder``'s; a ``running`` claim only when its
-        policy is ``redispatch`` and it is expired or ``holder``'s. Otherwise it is
-        refused: ``terminal`` for finished/needs-review claims, ``exhausted`` when
-        ``attempts >= max_attempts`` (the claim becomes ``failed``), ``taken`` else.
+        expired; a ``running`` claim only when its policy is ``redispatch`` and it is
+        expired. A live lease is never granted again, not even to its own holder.
+
+        A request of a *new publication* (``publication`` set and not the claim's)
+        counts its attempts from 1 and is also granted over a finished claim
+        (:data:`RESTARTABLE_STATES`): a task id published again runs again, once the
+        previous run has ended. Otherwise it is refused: ``terminal`` for finished or
+        needs-review claims, ``exhausted`` when ``attempts >= max_attempts`` (the claim
+        becomes ``failed``), ``taken`` else.
         """
 
     @abc.abstractmethod
@@ -335,6 +354,17 @@ class RecoverStore(abc.ABC):
         (``publish_ttl``) — or ``failed`` when its attempt budget is spent; a started
         claim with policy ``review`` becomes ``needs_review``. An ``open`` claim whose
         publish lease expired (the scanner died before publishing) is taken again.
+        """
+
+    @abc.abstractmethod
+    def requeue(self, holder: str, leases: Sequence[tuple[str, int, str]], publish_ttl: float
+                ) -> list[Recovered]:
+        """Give ``holder``'s live claims back for another delivery (Celery's requeue).
+
+        Each moves to ``open`` under a new epoch with ``holder``'s short publish lease,
+        exactly as Recover takes an expired claim, so a publisher that dies before
+        :meth:`RecoverStore.mark_published` leaves it to the next Recover scan. Leases
+        no longer held are left alone (absent from the result).
         """
 
     @abc.abstractmethod

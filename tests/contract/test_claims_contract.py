@@ -22,9 +22,11 @@ from celery_pulse.errors import InvalidConfig, LeaseLost
 from celery_pulse.lease import Lease
 from celery_pulse.store.base import (
     FAILED,
+    NEEDS_REVIEW,
     OPEN,
     RESERVED,
     RETRY,
+    REVOKED,
     RUNNING,
     SUCCEEDED,
     ClaimInfo,
@@ -58,13 +60,15 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = 
 
 
 def request(task_id: str | None = None, *, max_attempts: int = 10, retries: int = 0,
-            policy: str = "redispatch", body: bytes = BODY) -> ReserveRequest:
+            policy: str = "redispatch", body: bytes = BODY,
+            publication: str | None = None) -> ReserveRequest:
     task_id = task_id or uuid.uuid4().hex
     message = Message(body, {"id": task_id, "task": "proj.add", "retries": retries},
                       {"correlation_id": task_id, "reply_to": "r-1", "priority": 0},
                       {"exchange": "", "routing_key": "celery"},
                       "application/json", "utf-8")
-    return ReserveRequest(task_id, "proj.add", message, policy, max_attempts, retries)
+    return ReserveRequest(task_id, "proj.add", message, policy, max_attempts, retries,
+                          publication)
 
 
 def grant(store: SqlStore, holder: str, req: ReserveRequest, ttl: float = TTL) -> Grant:
@@ -141,15 +145,20 @@ def test_second_holder_is_refused_taken(sql_store: SqlStore) -> None:
     assert row(sql_store, req.task_id).token == g.token  # untouched
 
 
-def test_same_holder_may_reserve_again_under_a_new_epoch(sql_store: SqlStore) -> None:
+def test_a_live_lease_is_not_granted_again_even_to_its_holder(sql_store: SqlStore) -> None:
+    """One holder never holds two live grants of one task (two deliveries in flight)."""
     req = request()
     first = grant(sql_store, W1, req)
+    r = refusal(sql_store, W1, req)
+    assert (r.reason, r.state, r.holder, r.epoch) == ("taken", RESERVED, W1, 1)
+    assert sql_store.renew(W1, [key(first)], TTL) == ({req.task_id}, set())
+    # Released (expired now), the same holder may take it under a new epoch; the old
+    # credential no longer renews.
+    sql_store.release(W1, [key(first)])
     again = grant(sql_store, W1, req)
     assert (again.epoch, again.attempts) == (2, 2)
     assert again.token != first.token
-    # The old credential no longer renews.
-    renewed, busy = sql_store.renew(W1, [key(first)], TTL)
-    assert (renewed, busy) == (set(), set())
+    assert sql_store.renew(W1, [key(first)], TTL) == (set(), set())
 
 
 def test_same_id_twice_in_one_batch_is_granted_once(sql_store: SqlStore) -> None:
@@ -182,7 +191,7 @@ def test_finished_claim_is_refused_terminal(sql_store: SqlStore) -> None:
 
 def test_exhausted_budget_fails_the_claim(sql_store: SqlStore) -> None:
     req = request(max_attempts=2)
-    grant(sql_store, W1, req)
+    sql_store.release(W1, [key(grant(sql_store, W1, req))])
     second = grant(sql_store, W1, req)
     assert second.attempts == 2
     sql_store.release(W1, [key(second)])
@@ -204,6 +213,61 @@ def test_running_review_claim_is_not_regranted_even_to_its_holder(sql_store: Sql
     assert refusal(sql_store, W1, req).reason == "taken"
     assert refusal(sql_store, W2, req).reason == "taken"
     assert claim(sql_store, req.task_id).state == RUNNING
+
+
+# -- publications: a redelivery is a duplicate, a new publication of the id runs again ----
+def test_redelivery_of_a_finished_publication_is_refused(sql_store: SqlStore) -> None:
+    req = request(publication="p1")
+    complete(sql_store, W1, grant(sql_store, W1, req))
+    r = refusal(sql_store, W2, req)
+    assert (r.reason, r.state, r.publication) == ("terminal", SUCCEEDED, "p1")
+
+
+@pytest.mark.parametrize("outcome", [SUCCEEDED, FAILED, REVOKED])
+def test_new_publication_of_a_finished_task_runs_again(sql_store: SqlStore, outcome: str) -> None:
+    first = request(publication="p1", max_attempts=1)
+    complete(sql_store, W1, grant(sql_store, W1, first), outcome)
+    again = grant(sql_store, W2, request(first.task_id, publication="p2", max_attempts=1))
+    assert (again.epoch, again.attempts) == (2, 1)  # a new publication has its own budget
+    info = claim(sql_store, first.task_id)
+    assert (info.state, info.holder, info.outcome) == (RESERVED, W2, None)
+    # ... and now p2 is the claim's publication: p1 again is a new one, p2 a duplicate.
+    assert refusal(sql_store, W1, request(first.task_id, publication="p2")).reason == "taken"
+
+
+def test_new_publication_waits_while_the_previous_run_is_live(sql_store: SqlStore) -> None:
+    req = request(publication="p1")
+    g = grant(sql_store, W1, req)
+    sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    r = refusal(sql_store, W1, request(req.task_id, publication="p2"))
+    assert (r.reason, r.state, r.publication) == ("taken", RUNNING, "p1")
+    complete(sql_store, W1, g)
+    assert grant(sql_store, W1, request(req.task_id, publication="p2")).epoch == 2
+
+
+def test_new_publication_does_not_reopen_a_task_in_review(sql_store: SqlStore) -> None:
+    req = request(policy="review", publication="p1")
+    g = grant(sql_store, W1, req, ttl=0.3)
+    sql_store.start(W1, req.task_id, g.epoch, g.token, 0.3)
+    wait_until(lambda: sql_store.recover("scanner", 10, TTL), what="Recover to take it over")
+    assert claim(sql_store, req.task_id).state == NEEDS_REVIEW
+    r = refusal(sql_store, W2, request(req.task_id, publication="p2"))
+    assert (r.reason, r.state) == ("terminal", NEEDS_REVIEW)
+
+
+def test_messages_without_a_publication_are_told_apart_by_task_id_only(sql_store: SqlStore) -> None:
+    req = request()
+    complete(sql_store, W1, grant(sql_store, W1, req))
+    assert refusal(sql_store, W2, req).reason == "terminal"
+
+
+def test_revoked_claim_is_terminal_and_purged(sql_store: SqlStore) -> None:
+    req = request()
+    assert complete(sql_store, W1, grant(sql_store, W1, req), REVOKED) == "applied"
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.outcome, info.lease_remaining) == (REVOKED, REVOKED, None)
+    assert refusal(sql_store, W2, req).reason == "terminal"
+    assert sql_store.purge_finished(older_than=-1) == 1
 
 
 # -- start -------------------------------------------------------------------------------

@@ -24,11 +24,14 @@ from celery_pulse.errors import (
 from celery_pulse.settings import mask_url
 from celery_pulse.store.base import (
     FAILED,
+    FINISHED_STATES,
     LIVE_STATES,
     NEEDS_REVIEW,
     OPEN,
     RESERVED,
+    RESTARTABLE_STATES,
     RETRY,
+    REVOKED,
     RUNNING,
     SUCCEEDED,
     TERMINAL_STATES,
@@ -67,7 +70,7 @@ from celery_pulse.store.sql.tables import (
 
 logger = logging.getLogger(__name__)
 
-_OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, RETRY: OPEN}
+_OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
 _CHUNK = 500
 
@@ -211,7 +214,7 @@ class SqlStore(Store):
 
     _RESERVE_COLUMNS = ("task_id", "task_name", "max_attempts", "policy", "retries", "body",
                         "headers", "properties", "delivery_info", "content_type",
-                        "content_encoding")
+                        "content_encoding", "publication")
 
     def _reserve_sql(self, rows: int) -> str:
         """One multi-row ``INSERT .. ON CONFLICT DO UPDATE .. RETURNING`` for ``rows`` tasks.
@@ -224,37 +227,46 @@ class SqlStore(Store):
             return cached
         pg = self.dialect.is_postgres
         mark = "%s" if pg else "?"
-        casts = ("", "", "::integer", "", "::integer", "::bytea", "", "", "", "", "") if pg \
-            else ("",) * 11
+        casts = ("", "", "::integer", "", "::integer", "::bytea", "", "", "", "", "", "") if pg \
+            else ("",) * 12
         row = "(" + ", ".join(f"{mark}{cast}" for cast in casts) + ")"
         now = self.dialect._now
         token = self.dialect._token
         cols = ", ".join(self._RESERVE_COLUMNS)
-        mine = "pulse_claims.holder = excluded.holder"
         expired = f"pulse_claims.lease_until <= {now}"
+        # A new publication of the task id (not a redelivery of the claim's own).
+        new_pub = ("(excluded.publication IS NOT NULL AND (pulse_claims.publication IS NULL "
+                   "OR pulse_claims.publication <> excluded.publication))")
+        restartable = ", ".join(f"'{state}'" for state in RESTARTABLE_STATES)
         sql = (
             f"WITH v({cols}) AS (VALUES {', '.join([row] * rows)}) "
             f"INSERT INTO pulse_claims (task_id, task_name, state, holder, token, epoch, "
             f"lease_until, attempts, max_attempts, policy, retries, body, headers, properties, "
-            f"delivery_info, content_type, content_encoding, created_at, reserved_at) "
+            f"delivery_info, content_type, content_encoding, publication, created_at, "
+            f"reserved_at) "
             f"SELECT v.task_id, v.task_name, 'reserved', {mark}, {token}, 1, {now} + {mark}, 1, "
             f"v.max_attempts, v.policy, v.retries, v.body, v.headers, v.properties, "
-            f"v.delivery_info, v.content_type, v.content_encoding, {now}, {now} "
+            f"v.delivery_info, v.content_type, v.content_encoding, v.publication, {now}, {now} "
             f"FROM v WHERE true "
             f"ON CONFLICT (task_id) DO UPDATE SET state = 'reserved', holder = excluded.holder, "
             f"token = excluded.token, epoch = pulse_claims.epoch + 1, "
-            f"lease_until = excluded.lease_until, attempts = pulse_claims.attempts + 1, "
+            f"lease_until = excluded.lease_until, "
+            f"attempts = CASE WHEN {new_pub} THEN 1 ELSE pulse_claims.attempts + 1 END, "
             f"policy = excluded.policy, retries = excluded.retries, "
             f"task_name = excluded.task_name, body = excluded.body, headers = excluded.headers, "
             f"properties = excluded.properties, delivery_info = excluded.delivery_info, "
             f"content_type = excluded.content_type, "
             f"content_encoding = excluded.content_encoding, reserved_at = excluded.reserved_at, "
+            f"publication = excluded.publication, "
             f"started_at = NULL, finished_at = NULL, outcome = NULL, error = NULL "
-            f"WHERE pulse_claims.attempts < pulse_claims.max_attempts AND ("
+            # A live lease is never granted again, not even to its own holder: one holder
+            # must never hold two live grants of one task.
+            f"WHERE (({new_pub} OR pulse_claims.attempts < pulse_claims.max_attempts) AND ("
             f"pulse_claims.state = 'open' "
-            f"OR (pulse_claims.state = 'reserved' AND ({expired} OR {mine})) "
+            f"OR (pulse_claims.state = 'reserved' AND {expired}) "
             f"OR (pulse_claims.state = 'running' AND pulse_claims.policy = 'redispatch' "
-            f"AND ({expired} OR {mine}))) "
+            f"AND {expired}))) "
+            f"OR ({new_pub} AND pulse_claims.state IN ({restartable})) "
             f"RETURNING task_id, epoch, token, lease_until, attempts")
         self._reserve_sql_cache[rows] = sql
         return sql
@@ -271,7 +283,7 @@ class SqlStore(Store):
             params += [r.task_id, r.task_name, r.max_attempts, r.policy, r.retries,
                        r.message.body, _dumps(r.message.headers),
                        _dumps(r.message.properties), _dumps(r.message.delivery_info),
-                       r.message.content_type, r.message.content_encoding]
+                       r.message.content_type, r.message.content_encoding, r.publication]
         params += [holder, ttl]  # the CTE's rows come first in the statement
         sql = self._reserve_sql(len(unique))
         results: dict[str, Grant | Refusal] = {}
@@ -281,34 +293,37 @@ class SqlStore(Store):
                                              float(row.lease_until), int(row.attempts))
             missing = [tid for tid in unique if tid not in results]
             if missing:
-                results.update(self._refusals(conn, holder, missing))
+                results.update(self._refusals(conn, [unique[tid] for tid in missing]))
         out: list[Grant | Refusal] = []
         seen: set[str] = set()
         for req in requests:
             result = results[req.task_id]
             if req.task_id in seen and isinstance(result, Grant):
                 # The same id twice in one batch: the second copy is a duplicate.
-                result = Refusal(req.task_id, "taken", RESERVED, holder, result.epoch, req.retries)
+                result = Refusal(req.task_id, "taken", RESERVED, holder, result.epoch, req.retries,
+                                 req.publication)
             seen.add(req.task_id)
             out.append(result)
         return out
 
-    def _refusals(self, conn: sa.Connection, holder: str, task_ids: list[str]
+    def _refusals(self, conn: sa.Connection, requests: list[ReserveRequest]
                   ) -> dict[str, Refusal]:
         now = self._now
+        by_id = {r.task_id: r for r in requests}
         rows = conn.execute(
             sa.select(claims.c.task_id, claims.c.state, claims.c.holder, claims.c.epoch,
                       claims.c.attempts, claims.c.max_attempts, claims.c.retries,
-                      claims.c.policy, (claims.c.lease_until <= now).label("expired"))
-            .where(claims.c.task_id.in_(task_ids))).all()
+                      claims.c.policy, claims.c.publication,
+                      (claims.c.lease_until <= now).label("expired"))
+            .where(claims.c.task_id.in_(list(by_id)))).all()
         out: dict[str, Refusal] = {}
         for r in rows:
-            claimable = r.state == OPEN or (r.state == RESERVED and (r.expired or r.holder == holder)) \
-                or (r.state == RUNNING and r.policy == "redispatch"
-                    and (r.expired or r.holder == holder))
+            claimable = r.state == OPEN or (r.state == RESERVED and r.expired) \
+                or (r.state == RUNNING and r.policy == "redispatch" and r.expired)
+            new_pub = by_id[r.task_id].publication not in (None, r.publication)
             if r.state in TERMINAL_STATES:
                 reason = "terminal"
-            elif claimable and r.attempts >= r.max_attempts:
+            elif claimable and r.attempts >= r.max_attempts and not new_pub:
                 reason = "exhausted"
                 conn.execute(sa.update(claims).where(
                     claims.c.task_id == r.task_id, claims.c.epoch == r.epoch,
@@ -319,7 +334,7 @@ class SqlStore(Store):
             else:
                 reason = "taken"
             out[r.task_id] = Refusal(r.task_id, reason, r.state, r.holder, int(r.epoch),
-                                     int(r.retries))
+                                     int(r.retries), r.publication)
         return out
 
     def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
@@ -454,10 +469,35 @@ class SqlStore(Store):
         with translated("release"), self._single() as conn:
             return int(conn.execute(stmt).rowcount)
 
+    def requeue(self, holder: str, leases: Sequence[tuple[str, int, str]], publish_ttl: float
+                ) -> list[Recovered]:
+        if not leases:
+            return []
+        now = self._now
+        out: list[Recovered] = []
+        with translated("requeue"), self.engine.begin() as conn:
+            rows = {r.task_id: r for r in conn.execute(sa.select(claims).where(
+                claims.c.holder == holder, self._lease_key(leases),
+                claims.c.state.in_(LIVE_STATES), claims.c.lease_until > now))}
+            if not rows:
+                return []
+            moved = conn.execute(
+                sa.update(claims)
+                .where(sa.tuple_(claims.c.task_id, claims.c.epoch).in_(
+                    [(r.task_id, r.epoch) for r in rows.values()]),
+                    claims.c.state.in_(LIVE_STATES))
+                .values(state=OPEN, epoch=claims.c.epoch + 1, holder=holder,
+                        token=self.dialect.new_token(), lease_until=now + publish_ttl,
+                        started_at=None, outcome=RETRY, error="requeued")
+                .returning(claims.c.task_id, claims.c.epoch, claims.c.token)).all()
+            for g in moved:
+                out.append(self._recovered(rows[g.task_id], OPEN, int(g.epoch), g.token))
+        return out
+
     def purge_finished(self, older_than: float, limit: int = 500) -> int:
         now = self._now
         ids = (sa.select(claims.c.task_id)
-               .where(claims.c.state.in_((SUCCEEDED, FAILED)),
+               .where(claims.c.state.in_(FINISHED_STATES),
                       claims.c.finished_at < now - older_than)
                .limit(limit).scalar_subquery())
         old_evidence = (sa.select(evidence.c.id).where(evidence.c.recorded_at < now - older_than)

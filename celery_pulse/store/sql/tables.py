@@ -51,6 +51,9 @@ claims = sa.Table(
     sa.Column("finished_at", sa.Float(precision=53)),
     sa.Column("outcome", sa.String(32)),
     sa.Column("error", sa.Text),
+    #: Identity of the publication the claim belongs to (``pulse_pub`` header; NULL for
+    #: messages published without it): a redelivery vs a new publication of the task id.
+    sa.Column("publication", sa.String(64)),
     # Partial: Recover's scan only looks at claims under a lease, the purge at finished
     # ones, and rows outside an index's predicate cost it nothing when updated. (Strict
     # comparisons on the column imply IS NOT NULL, also in generic plans.)
