@@ -153,3 +153,54 @@ def retry_once(self: Any, path: str) -> int:
     if self.request.retries == 0:
         raise self.retry(countdown=0)
     return epoch
+
+
+# -- tasks for the request-lifecycle tests (tests/acceptance/test_lifecycle.py) ------------
+@app.task(name="pulseapp.add")
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="pulseapp.replace_add", bind=True)
+def replace_add(self: Any, x: int, y: int) -> None:
+    """Replaces itself with ``add(x, y)``: the replacement is published under this task id."""
+    raise self.replace(add.s(x, y))
+
+
+@app.task(name="pulseapp.reject_once", bind=True, acks_late=True)
+def reject_once(self: Any, path: str) -> int:
+    """``Reject(requeue=True)`` on its first run, then succeeds; records both epochs.
+
+    ``acks_late``: as under plain Celery, a message acknowledged at the start has
+    nothing left to requeue.
+    """
+    from celery.exceptions import Reject
+
+    lease = current_lease()
+    epoch = lease.epoch if lease else 0
+    if not os.path.exists(path):
+        mark(path, "rejected", epoch)
+        raise Reject("not yet", requeue=True)
+    mark(path, "ran", epoch)
+    return epoch
+
+
+@app.task(name="pulseapp.chord_part", acks_late=True)
+def chord_part(x: int, path: str, seconds: float) -> int:
+    """Epoch 1 runs ``seconds`` under the lease; later epochs wait for ``<path>.go``."""
+    lease = current_lease()
+    epoch = lease.epoch if lease else 0
+    if epoch <= 1:
+        _watch(path, seconds)
+        return x
+    mark(path, "start", epoch, os.getpid(), repr(time.time()))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path + ".go") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    mark(path, "end", epoch)
+    return x
+
+
+@app.task(name="pulseapp.total")
+def total(values: list[int]) -> int:
+    return sum(values)
