@@ -69,10 +69,10 @@ def install(app: Any) -> Any:
     The steps only switch on in a worker whose pool is the pulse pool
     (``-P pulse`` or ``worker_pool = "pulse"``); other pools run as plain Celery.
     """
+    from celery.signals import before_task_publish
+
     from celery_pulse.bootsteps.registry import Registry
     from celery_pulse.bootsteps.runtime import Runtime
-
-    from celery.signals import before_task_publish
 
     register_pool_alias()
     _warn_on_celery_beat(app)
