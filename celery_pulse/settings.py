@@ -80,7 +80,8 @@ class Settings:
         default=0.0, metadata=_doc("Leadership renewal period; must be < pulse_leader_ttl.",
                                    "leader_ttl / 3"))
     max_attempts: int = dataclasses.field(
-        default=10, metadata=_doc("Reservations a task may consume before it is failed.", "10"))
+        default=10, metadata=_doc("Reservations one publication of a task may consume before it is "
+                                   "failed (a retry is a new publication).", "10"))
     on_lost: str | None = dataclasses.field(
         default=None, metadata=_doc("What Recover does with a started-then-lost task: "
                                     "'redispatch' or 'review'.",

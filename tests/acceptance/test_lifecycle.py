@@ -131,6 +131,40 @@ def test_reject_requeue_runs_the_task_again_under_a_new_epoch(
     assert (row.state, row.epoch, row.attempts) == ("succeeded", 3, 2)
 
 
+def test_reject_on_worker_lost_requeues_a_task_whose_pool_process_died(
+        lifecycle_env: Env, pg_url: str, tmp_path: Path, workers: Callable[..., Worker],
+        db: Callable[[str], Claims]) -> None:
+    """``reject_on_worker_lost`` with the pool process SIGKILLed: requeued and run again."""
+    env = lifecycle_env
+    store_db = db(pg_url)
+    w = workers(env, "oom@%h").wait_ready()
+    path = tmp_path / "oom.txt"
+    with client(env) as app:
+        result = app.send_task("pulseapp.die_once", args=[str(path)])
+        assert result.get(timeout=30) == 3
+    assert events(path) == [["killed", "1"], ["ran", "3"]]
+    assert store_db.get(result.id).state == "succeeded"
+    assert w.proc.poll() is None
+
+
+def test_revoke_with_terminate_ends_the_running_claim_revoked(
+        lifecycle_env: Env, pg_url: str, tmp_path: Path, workers: Callable[..., Worker],
+        db: Callable[[str], Claims]) -> None:
+    env = lifecycle_env
+    store_db = db(pg_url)
+    w = workers(env, "term@%h").wait_ready()
+    path, after = tmp_path / "term.txt", tmp_path / "after.txt"
+    with client(env) as app:
+        task_id = app.send_task("pulseapp.leased_sleep", args=[60, str(path)]).id
+        wait_event(path, "start", 20, (w,))
+        app.control.revoke(task_id, terminate=True)
+        wait_for(lambda: store_db.state(task_id) == "revoked", 20, "the claim to end revoked")
+        assert app.AsyncResult(task_id).state == "REVOKED"
+        app.send_task("pulseapp.touch", args=[str(after)])
+        wait_for(after.exists, 20, "the next task to run")
+    assert store_db.get(task_id).lease_until is None
+
+
 # -- 3. Task.replace --------------------------------------------------------------------------
 def test_replace_in_a_chain_gives_the_chains_result(
         lifecycle_env: Env, pg_url: str, workers: Callable[..., Worker],

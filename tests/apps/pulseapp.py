@@ -204,3 +204,17 @@ def chord_part(x: int, path: str, seconds: float) -> int:
 @app.task(name="pulseapp.total")
 def total(values: list[int]) -> int:
     return sum(values)
+
+
+@app.task(name="pulseapp.die_once", acks_late=True, reject_on_worker_lost=True)
+def die_once(path: str) -> int:
+    """Its pool process dies (SIGKILL, as the OOM killer would) on the first run."""
+    import signal
+
+    lease = current_lease()
+    epoch = lease.epoch if lease else 0
+    if not os.path.exists(path):
+        mark(path, "killed", epoch)
+        os.kill(os.getpid(), signal.SIGKILL)
+    mark(path, "ran", epoch)
+    return epoch

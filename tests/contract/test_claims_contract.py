@@ -270,6 +270,45 @@ def test_revoked_claim_is_terminal_and_purged(sql_store: SqlStore) -> None:
     assert sql_store.purge_finished(older_than=-1) == 1
 
 
+# -- requeue (Celery's Reject(requeue=True) and friends) ---------------------------------------
+def test_requeue_opens_the_claim_under_a_publish_lease_and_keeps_the_budget(
+        sql_store: SqlStore) -> None:
+    req = request(max_attempts=2, publication="p1")
+    g = grant(sql_store, W1, req)
+    sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    (item,) = sql_store.requeue(W1, [key(g)], publish_ttl=TTL)
+    assert (item.state, item.was, item.epoch) == (OPEN, RUNNING, 2)
+    assert item.message.body == BODY  # what goes back to the broker, byte-exact
+    info = claim(sql_store, req.task_id)
+    assert (info.state, info.holder, info.epoch) == (OPEN, W1, 2)
+    assert info.lease_remaining is not None and info.lease_remaining > 0  # the publish lease
+    # The old credential is dead; the requeue is not repeated.
+    assert sql_store.requeue(W1, [key(g)], publish_ttl=TTL) == []
+    assert complete(sql_store, W1, g) == "evidence"
+    assert sql_store.mark_published([(item.task_id, item.epoch, item.token or "")]) == 1
+    again = grant(sql_store, W2, req)  # the requeued delivery: the same publication
+    assert (again.epoch, again.attempts) == (3, 2)
+
+
+def test_a_requeue_never_published_is_taken_over_by_recover(sql_store: SqlStore) -> None:
+    req = request()
+    g = grant(sql_store, W1, req)
+    (item,) = sql_store.requeue(W1, [key(g)], publish_ttl=0.2)
+    # The requeuing worker died before publishing: once its publish lease expires,
+    # Recover takes the claim again and publishes it.
+    taken = wait_until(lambda: sql_store.recover("scanner", 10, TTL), what="Recover's takeover")
+    assert [(t.task_id, t.state, t.epoch) for t in taken] == [(req.task_id, OPEN, 3)]
+
+
+def test_requeue_leaves_other_holders_and_lost_leases_alone(sql_store: SqlStore) -> None:
+    mine, theirs = request(), request()
+    g_mine = grant(sql_store, W1, mine, ttl=0.2)
+    g_theirs = grant(sql_store, W2, theirs)
+    wait_until(lambda: expired(sql_store, mine.task_id), what="the lease to expire")
+    assert sql_store.requeue(W1, [key(g_mine), key(g_theirs)], publish_ttl=TTL) == []
+    assert claim(sql_store, theirs.task_id).state == RESERVED
+
+
 # -- start -------------------------------------------------------------------------------
 def test_start_only_from_a_live_reservation_with_the_right_credential(sql_store: SqlStore) -> None:
     req = request()

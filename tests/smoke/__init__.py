@@ -1,0 +1,1 @@
+"""Smoke tests that run outside pytest, in a venv holding only the published extras."""
