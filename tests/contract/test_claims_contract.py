@@ -293,7 +293,7 @@ def test_requeue_opens_the_claim_under_a_publish_lease_and_keeps_the_budget(
 def test_a_requeue_never_published_is_taken_over_by_recover(sql_store: SqlStore) -> None:
     req = request()
     g = grant(sql_store, W1, req)
-    (item,) = sql_store.requeue(W1, [key(g)], publish_ttl=0.2)
+    assert len(sql_store.requeue(W1, [key(g)], publish_ttl=0.2)) == 1
     # The requeuing worker died before publishing: once its publish lease expires,
     # Recover takes the claim again and publishes it.
     taken = wait_until(lambda: sql_store.recover("scanner", 10, TTL), what="Recover's takeover")
