@@ -147,7 +147,7 @@ class Intake:
             if local is not None and local.state != LOST:
                 if (local.publication == publication if publication
                         else retries <= local.retries):
-                    message.ack()
+                    self.pulse.ack(message)
                     self.pulse.duplicate(task_id, task.name, self.keeper.holder, local.epoch,
                                          "already held by this worker")
                     return None
@@ -192,7 +192,13 @@ class Intake:
         self.loop.later(WAIT_POLL, self._fire, task_id, entry)
 
     def claim_ended(self, task_id: str) -> None:
-        """On the loop: an attempt of ``task_id`` held here ended; look at its waiters."""
+        """On the loop: an attempt of ``task_id`` held here ended; look at its waiters.
+
+        Without a hub (Celery's synchronous loop) this may be called from a pool or store
+        thread: the waiters' own poll (``WAIT_POLL``) picks them up instead.
+        """
+        if self.loop.hub is None:
+            return
         for entry in self.waiting_for_end.pop(task_id, []):
             self._fire(task_id, entry)
 
@@ -254,6 +260,14 @@ class Intake:
         """After a broker reconnect: their delivery tags are dead; the broker resends them."""
         dropped = len(self.waiting)
         self.waiting.clear()
+        for entries in self.waiting_for_end.values():
+            for entry in entries:
+                entry.fired = True
+                dropped += 1
+        self.waiting_for_end.clear()
+        for task_id in self.inflight:
+            dropped += len(self.inflight[task_id])
+            self.inflight[task_id] = []
         return dropped
 
     def _over_prefetch_limit(self, headers: Any) -> bool:

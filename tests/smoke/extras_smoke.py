@@ -148,9 +148,15 @@ def claim_states(store_url: str, task_ids: list[str]) -> dict[str, str]:
 
 
 def delete_queue(producer: Celery, queue: str) -> None:
-    """Best effort: the unique queue would otherwise stay on the broker after every run."""
+    """Best effort: the unique queue (and on Redis its binding keys) would outlive every run.
+
+    Declared first, as the worker declared it, so that this channel knows the binding and
+    kombu's Redis transport removes it along with the queue.
+    """
     with contextlib.suppress(Exception), producer.connection_for_write() as conn:
-        conn.default_channel.queue_delete(queue)
+        bound = producer.amqp.queues[queue].bind(conn.default_channel)
+        bound.declare()
+        bound.delete()
 
 
 def smoke_broker(key: str, app: str, admin_url: str, timeout: float) -> str:
@@ -161,6 +167,7 @@ def smoke_broker(key: str, app: str, admin_url: str, timeout: float) -> str:
     started = time.monotonic()
     worker: Worker | None = None
     producer = Celery("extras-smoke", broker=broker_url)
+    producer.conf.task_default_queue = queue  # the same queue definition as the worker's
     try:
         with fresh_schema(admin_url) as schema:
             store_url = schema_url(admin_url, schema)
