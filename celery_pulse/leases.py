@@ -255,6 +255,12 @@ class LeaseKeeper:
         with self._lock:
             return self.claims.get(task_id)
 
+    def attempts(self, task_id: str) -> list[LocalClaim]:
+        """Every attempt of ``task_id`` this worker still holds or runs (lost ones too)."""
+        with self._lock:
+            return [c for c in (*self.claims.values(), *self._displaced.values())
+                    if c.task_id == task_id]
+
     def forget(self, claim: LocalClaim) -> None:
         with self._lock:
             self._uncount(claim)

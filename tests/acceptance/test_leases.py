@@ -26,6 +26,7 @@ from kombu import Connection
 from celery_pulse.store.sql.tables import claims
 from tests.conftest import filesystem_broker
 from tests.helpers.pg import PrivatePostgres
+from tests.helpers.publish import publish_raw
 from tests.helpers.workers import Env, Worker, wait_for
 
 FAST: dict[str, Any] = {"pulse_lease_ttl": 3, "pulse_renew_interval": 0.5,
@@ -381,14 +382,19 @@ def test_redis_visibility_timeout_does_not_rerun_and_republish_is_dropped(
         wait_event(path, "start", 20, ws)
         # Acknowledged on reservation: not among Redis's unacked messages.
         assert _held_by_broker("redis", env, [task_id]) == 0
-        client.send_task("pulseapp.late_sleep", args=[seconds, str(path)], task_id=task_id)
+        # A copy of the same publication (as a redelivery would be; send_task would make a
+        # new publication of the id, which runs after this one).
+        publication = store_db.get(task_id).publication
+        publish_raw(client, env.queue, "pulseapp.late_sleep", [seconds, str(path)], task_id,
+                    publication)
         wait_for(lambda: log_lines(ws, dup.format(task_id)), 15,
                  "the re-publish during the run to be dropped as a duplicate")
         wait_for(lambda: store_db.state(task_id) == "succeeded", seconds + 20,
                  "the acks_late task to succeed")
         # Over the whole run (3 x visibility_timeout) nothing but our re-publish came back.
         assert len(log_lines(ws, dup.format(task_id))) == 1
-        client.send_task("pulseapp.late_sleep", args=[seconds, str(path)], task_id=task_id)
+        publish_raw(client, env.queue, "pulseapp.late_sleep", [seconds, str(path)], task_id,
+                    publication)
         wait_for(lambda: len(log_lines(ws, dup.format(task_id))) == 2, 15,
                  "the re-publish after the run to be dropped as a duplicate")
     assert [e[0] for e in events(path)] == ["start", "end"], events(path)

@@ -16,15 +16,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from celery import Celery, chain, chord
 
 import celery_pulse
-from celery_pulse.bootsteps.intake import PUBLICATION_HEADER
 from tests.acceptance.test_leases import FAST, PG_NOW, Claims, db, events, wait_event
 from tests.helpers import services
+from tests.helpers.publish import publish_raw
 from tests.helpers.workers import Env, Worker, wait_for
 
 __all__ = ["db"]  # the fixture, shared with the lease tests
@@ -50,20 +49,6 @@ def client(env: Env) -> Iterator[Celery]:
         yield app
     finally:
         app.close()
-
-
-def publish_raw(app: Celery, env: Env, name: str, args: list[Any], task_id: str,
-                publication: str, expires: datetime.datetime | None = None) -> None:
-    """Publish one task message with a given publication id (as a redelivery would).
-
-    ``expires`` goes in the task header only (``send_task`` would also give the AMQP
-    message a TTL, and RabbitMQ would drop an expired one before any worker saw it).
-    """
-    message = app.amqp.as_task_v2(task_id, name, args=tuple(args), kwargs={}, expires=expires)
-    headers = {**message.headers, PUBLICATION_HEADER: publication}
-    with app.producer_or_acquire() as producer:
-        producer.publish(message.body, exchange="", routing_key=env.queue, headers=headers,
-                         serializer="json", **message.properties)
 
 
 @pytest.fixture
@@ -92,7 +77,7 @@ def test_revoked_and_expired_tasks_end_their_claims_and_the_worker_keeps_consumi
         past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=1)
         expired = [uuid.uuid4().hex for _ in range(100)]
         for task_id, path in zip(expired, markers[:100], strict=True):
-            publish_raw(app, env, "pulseapp.touch", [str(path)], task_id, task_id, past)
+            publish_raw(app, env.queue, "pulseapp.touch", [str(path)], task_id, task_id, past)
         for task_id, path in zip(revoked, markers[100:], strict=True):
             app.send_task("pulseapp.touch", args=[str(path)], task_id=task_id)
         dropped = expired + revoked
@@ -128,6 +113,8 @@ def test_reject_requeue_runs_the_task_again_under_a_new_epoch(
         # to the next delivery (epoch 3): the same publication, its second attempt.
         assert result.get(timeout=30) == 3
     assert events(path) == [["rejected", "1"], ["ran", "3"]]
+    # The claim's completion commits just after Celery stores the result.
+    wait_for(lambda: store_db.state(result.id) == "succeeded", 10, "the claim to succeed")
     row = store_db.get(result.id)
     assert (row.state, row.epoch, row.attempts) == ("succeeded", 3, 2)
 
@@ -144,7 +131,7 @@ def test_reject_on_worker_lost_requeues_a_task_whose_pool_process_died(
         result = app.send_task("pulseapp.die_once", args=[str(path)])
         assert result.get(timeout=30) == 3
     assert events(path) == [["killed", "1"], ["ran", "3"]]
-    assert store_db.get(result.id).state == "succeeded"
+    wait_for(lambda: store_db.state(result.id) == "succeeded", 10, "the claim to succeed")
     assert w.proc.poll() is None
 
 
@@ -181,6 +168,7 @@ def test_replace_in_a_chain_gives_the_chains_result(
         assert result.get(timeout=30) == 113
         replaced = result.parent
         assert replaced.get(timeout=5) == 13
+    wait_for(lambda: store_db.state(replaced.id) == "succeeded", 10, "the claim to succeed")
     row = store_db.get(replaced.id)
     # The replaced task and its replacement, one after the other under one id.
     assert (row.state, row.epoch) == ("succeeded", 2)
@@ -202,7 +190,7 @@ def test_one_publication_delivered_twice_runs_once(
     copies = 5
     with client(env) as app:
         for _ in range(copies):
-            publish_raw(app, env, "pulseapp.late_sleep", [0.5, str(path)], task_id, "pub-1")
+            publish_raw(app, env.queue, "pulseapp.late_sleep", [0.5, str(path)], task_id, "pub-1")
     dropped = rf"duplicate delivery of pulseapp.late_sleep\[{task_id}\] dropped"
     wait_for(lambda: len(re.findall(dropped, w.log())) == copies - 1, 20,
              "every other copy to be dropped as a duplicate")
@@ -216,7 +204,7 @@ def test_two_publications_of_one_id_run_one_after_the_other(
         db: Callable[[str], Claims]) -> None:
     env = lifecycle_env
     store_db = db(pg_url)
-    workers(env, "again@%h", concurrency=2).wait_ready()
+    w = workers(env, "again@%h", concurrency=2).wait_ready()
     path = tmp_path / "again.txt"
     task_id = uuid.uuid4().hex
     with client(env) as app:
@@ -229,11 +217,10 @@ def test_two_publications_of_one_id_run_one_after_the_other(
         wait_for(both_ran, 30, "both publications to run")
         wait_for(lambda: store_db.state(task_id) == "succeeded", 10, "the claim to finish")
         # A redelivery of a finished publication is still dropped.
-        publish_raw(app, env, "pulseapp.leased_sleep", [1, str(path)], task_id,
+        publish_raw(app, env.queue, "pulseapp.leased_sleep", [1, str(path)], task_id,
                     store_db.get(task_id).publication)
-        late = tmp_path / "late.txt"
-        app.send_task("pulseapp.touch", args=[str(late)])
-        wait_for(late.exists, 20, "a later task to run")
+        w.wait_log(rf"duplicate delivery of pulseapp.leased_sleep\[{task_id}\] dropped: "
+                   r"already finished", timeout=20)
     starts = [e for e in events(path) if e[0] == "start"]
     assert [s[1] for s in starts] == ["1", "2"]  # epochs
     assert len(events(path)) == 4
@@ -274,5 +261,6 @@ def test_chord_completes_with_the_right_result_when_a_part_loses_its_lease(
         Path(f"{paths[2]}.go").touch()
         assert result.get(timeout=30) == 0 + 1 + 2
         assert app.AsyncResult(slow_id).get(timeout=5) == 2
+    wait_for(lambda: store_db.state(slow_id) == "succeeded", 10, "the part's claim to succeed")
     assert store_db.get(slow_id).epoch == 3
     assert fresh.proc.poll() is None
