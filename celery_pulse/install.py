@@ -53,14 +53,16 @@ def stamp_publication(headers: Any = None, **_kwargs: Any) -> None:
     A redelivery of one message carries the same ``pulse_pub`` (and Recover re-publishes
     the stored message with it), a new publication of the same task id (``Task.replace``,
     a retry, a signature applied again, a fixed ``task_id``) a new one: the first is a
-    duplicate, the second a new run once the previous run has ended.
+    duplicate, the second a new run once the previous run has ended. A publisher that
+    names the publication itself (``pulse_pub_fixed``: a beat slot) keeps that name.
     """
     import uuid
 
-    from celery_pulse.bootsteps.intake import PUBLICATION_HEADER
+    from celery_pulse.bootsteps.intake import FIXED_PUBLICATION_HEADER, PUBLICATION_HEADER
 
     if isinstance(headers, dict) and headers.get("id"):  # task protocol 2
-        headers[PUBLICATION_HEADER] = uuid.uuid4().hex
+        fixed = headers.pop(FIXED_PUBLICATION_HEADER, None)
+        headers[PUBLICATION_HEADER] = str(fixed) if fixed else uuid.uuid4().hex
 
 
 def install(app: Any) -> Any:

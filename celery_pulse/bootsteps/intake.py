@@ -35,6 +35,10 @@ _DROP_PROPERTIES = ("delivery_tag", "delivery_info", "body_encoding")
 PREFETCH_LIMIT = "prefetch limit"
 #: Message header naming the publication (stamped by pulse's ``before_task_publish``).
 PUBLICATION_HEADER = "pulse_pub"
+#: Header a publisher sets to choose the publication itself (a beat slot: its copies
+#: published by two leaders are one publication). The stamp moves it to
+#: ``PUBLICATION_HEADER``, so a retry that copies the request's headers doesn't keep it.
+FIXED_PUBLICATION_HEADER = "pulse_pub_fixed"
 #: A delivery waiting for an attempt of its task id to end looks again this often
 #: (seconds), in case no end is reported (the end normally wakes it at once).
 WAIT_POLL = 1.0
@@ -67,7 +71,7 @@ def bound_claim(request: Any) -> LocalClaim | None:
 
 
 def publication_of(headers: Any) -> str | None:
-    value = headers.get(PUBLICATION_HEADER)
+    value = headers.get(PUBLICATION_HEADER) or headers.get(FIXED_PUBLICATION_HEADER)
     return str(value)[:64] if value else None
 
 

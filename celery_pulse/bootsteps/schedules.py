@@ -113,8 +113,15 @@ class EntrySource:
 
 
 def publisher(app: Any) -> Any:
+    """Publish a slot under its own task id and publication: a slot re-published by the
+    next leader (its first publish not marked) is a duplicate of the first, not a new run."""
+    from celery_pulse.bootsteps.intake import FIXED_PUBLICATION_HEADER
+
     def publish(slot: Slot) -> None:
         spec = json.loads(slot.payload)
+        options = dict(spec["options"])
+        options["headers"] = {**(options.get("headers") or {}),
+                              FIXED_PUBLICATION_HEADER: f"slot:{slot.task_id}"[:64]}
         app.send_task(slot.task, args=spec["args"], kwargs=spec["kwargs"], task_id=slot.task_id,
-                      **spec["options"])
+                      **options)
     return publish

@@ -675,7 +675,11 @@ class ClaimsMachine(RuleBasedStateMachine):
           outcome=st.sampled_from(OUTCOMES))
     def stale_credential(self, data: st.DataObject, op: str, outcome: str) -> None:
         """A holder acting on a grant the model knows is superseded (or purged)."""
-        cred = data.draw(st.sampled_from(self._stale_grants()), label="stale")
+        stale = self._stale_grants()
+        # The most dangerous: a credential from before a purge whose epoch the new row reuses.
+        reused = [c for c in stale if (row := self.seen.get(c.task_id)) and row.epoch == c.epoch]
+        pool = reused if reused and data.draw(st.booleans(), label="reused epoch") else stale
+        cred = data.draw(st.sampled_from(pool), label="stale")
         if op == "complete":
             self._complete(cred, outcome, cred.holder)
         elif op == "renew":
