@@ -149,8 +149,13 @@ class TaskPool(prefork.TaskPool):
                 # must not write WorkerLostError to the result backend, nor count a chord
                 # part; the attempt that holds the lease now writes the outcome.
                 self._forget(claim)
-                if claim.request is not None:
-                    worker_state.task_ready(claim.request)
+                request = claim.request
+                if request is not None:
+                    worker_state.task_ready(request)
+                    # Flower still sees the attempt end (an event, not a result).
+                    request.send_event("task-failed", exception=repr(LeaseLost(
+                        f"lease lost for task {claim.task_id} epoch {claim.epoch}: "
+                        f"hard-stopped ({claim.lost_reason})")))
                 return None
             try:
                 return original(exc_info, *args, **kwargs) if original else None
