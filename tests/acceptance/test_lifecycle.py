@@ -135,6 +135,22 @@ def test_reject_on_worker_lost_requeues_a_task_whose_pool_process_died(
     assert w.proc.poll() is None
 
 
+def test_hard_time_limit_without_acks_on_timeout_requeues_the_task(
+        lifecycle_env: Env, pg_url: str, tmp_path: Path, workers: Callable[..., Worker],
+        db: Callable[[str], Claims]) -> None:
+    env = lifecycle_env
+    store_db = db(pg_url)
+    workers(env, "limit@%h").wait_ready()
+    path = tmp_path / "limit.txt"
+    with client(env) as app:
+        result = app.send_task("pulseapp.slow_once", args=[str(path)])
+        wait_for(lambda: [e[:2] for e in events(path)] == [["start", "1"], ["start", "3"]], 30,
+                 "the task to be requeued after its time limit and run again")
+        assert result.get(timeout=10) == 3
+    wait_for(lambda: store_db.state(result.id) == "succeeded", 10, "the claim to succeed")
+    assert store_db.get(result.id).attempts == 2
+
+
 def test_revoke_with_terminate_ends_the_running_claim_revoked(
         lifecycle_env: Env, pg_url: str, tmp_path: Path, workers: Callable[..., Worker],
         db: Callable[[str], Claims]) -> None:

@@ -218,3 +218,16 @@ def die_once(path: str) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     mark(path, "ran", epoch)
     return epoch
+
+
+@app.task(name="pulseapp.slow_once", acks_late=True, acks_on_timeout=False, time_limit=1)
+def slow_once(path: str) -> int:
+    """Runs into its hard time limit on the first run (requeued, as ``acks_late`` without
+    ``acks_on_timeout`` asks), then finishes at once."""
+    lease = current_lease()
+    epoch = lease.epoch if lease else 0
+    first = not os.path.exists(path)
+    mark(path, "start", epoch)
+    if first:
+        time.sleep(30)
+    return epoch
