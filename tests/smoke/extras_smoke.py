@@ -1,7 +1,8 @@
 """Smoke test of the published extras: one real ``celery worker -P pulse`` per broker.
 
 A plain script, not pytest: it runs in a venv that holds only ``pip install ".[postgres,redis]"``
-(what a user installs), so it imports nothing but the stdlib, celery, kombu and SQLAlchemy. A
+(what a user installs), so it imports nothing but the stdlib, celery, kombu, SQLAlchemy and
+the installed celery_pulse. A
 runtime dependency that a broker's transport needs but the extras do not pull in shows up as
 that broker failing here, the way it would for a user.
 
@@ -37,6 +38,8 @@ from urllib.parse import quote
 import sqlalchemy as sa
 from celery import Celery
 
+from celery_pulse import testing
+
 T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,15 +61,8 @@ class SmokeFailure(Exception):
 
 
 def wait_for(predicate: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Poll ``predicate`` until it returns something truthy: no fixed sleeps, a hard deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SmokeFailure(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
+    """The installed package's poll-with-a-deadline, failing as a smoke failure."""
+    return testing.wait_for(predicate, timeout, what, interval=0.1, error=SmokeFailure)
 
 
 def schema_url(base: str, schema: str) -> str:
