@@ -73,6 +73,22 @@ logger = logging.getLogger(__name__)
 _OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
 _CHUNK = 500
+#: Which answer of :meth:`SqlStore.complete` wins for a task id completed twice in a call.
+_RANK = {"evidence": 0, "duplicate": 1, "applied": 2}
+
+
+def _rounds(items: list[Any], key: Any) -> list[list[Any]]:
+    """``items`` in rounds of distinct keys, in order: the n-th copy of a key goes in round n."""
+    rounds: list[list[Any]] = []
+    seen: dict[Any, int] = {}
+    for item in items:
+        k = key(item)
+        n = seen.get(k, 0)
+        seen[k] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(item)
+    return rounds
 
 
 def _dumps(value: Any) -> str:
@@ -273,38 +289,36 @@ class SqlStore(Store):
 
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:
+        out: list[Grant | Refusal | None] = [None] * len(requests)
         if not requests:
             return []
-        unique: dict[str, ReserveRequest] = {}
-        for req in requests:
-            unique.setdefault(req.task_id, req)
+        with translated("reserve"), self._single() as conn:
+            # A task id twice in one batch: the later copy is decided against the claim as
+            # the earlier one left it (a duplicate is refused, a new publication waits).
+            for batch in _rounds(list(enumerate(requests)), lambda item: item[1].task_id):
+                answers = self._reserve_round(conn, holder, [r for _, r in batch], ttl)
+                for (i, _), answer in zip(batch, answers, strict=True):
+                    out[i] = answer
+        return [answer for answer in out if answer is not None]
+
+    def _reserve_round(self, conn: sa.Connection, holder: str, requests: list[ReserveRequest],
+                       ttl: float) -> list[Grant | Refusal]:
+        """One statement for requests of distinct task ids."""
         params: list[Any] = []
-        for r in unique.values():
+        for r in requests:
             params += [r.task_id, r.task_name, r.max_attempts, r.policy, r.retries,
                        r.message.body, _dumps(r.message.headers),
                        _dumps(r.message.properties), _dumps(r.message.delivery_info),
                        r.message.content_type, r.message.content_encoding, r.publication]
         params += [holder, ttl]  # the CTE's rows come first in the statement
-        sql = self._reserve_sql(len(unique))
         results: dict[str, Grant | Refusal] = {}
-        with translated("reserve"), self._single() as conn:
-            for row in conn.exec_driver_sql(sql, tuple(params)):
-                results[row.task_id] = Grant(row.task_id, int(row.epoch), row.token,
-                                             float(row.lease_until), int(row.attempts))
-            missing = [tid for tid in unique if tid not in results]
-            if missing:
-                results.update(self._refusals(conn, [unique[tid] for tid in missing]))
-        out: list[Grant | Refusal] = []
-        seen: set[str] = set()
-        for req in requests:
-            result = results[req.task_id]
-            if req.task_id in seen and isinstance(result, Grant):
-                # The same id twice in one batch: the second copy is a duplicate.
-                result = Refusal(req.task_id, "taken", RESERVED, holder, result.epoch, req.retries,
-                                 req.publication)
-            seen.add(req.task_id)
-            out.append(result)
-        return out
+        for row in conn.exec_driver_sql(self._reserve_sql(len(requests)), tuple(params)):
+            results[row.task_id] = Grant(row.task_id, int(row.epoch), row.token,
+                                         float(row.lease_until), int(row.attempts))
+        missing = [r for r in requests if r.task_id not in results]
+        if missing:
+            results.update(self._refusals(conn, missing))
+        return [results[r.task_id] for r in requests]
 
     def _refusals(self, conn: sa.Connection, requests: list[ReserveRequest]
                   ) -> dict[str, Refusal]:
@@ -411,21 +425,27 @@ class SqlStore(Store):
         return renewed, busy
 
     def complete(self, holder: str, completions: Sequence[Completion]) -> dict[str, str]:
+        """See the contract. Two completions of one task id in one call (a stale attempt's
+        and the current one's) are applied in order, each to the claim as the earlier left
+        it; the answer for that id is the best of theirs (applied, duplicate, evidence)."""
         out: dict[str, str] = {}
-        unique = list({c.task_id: c for c in completions}.values())
         with translated("complete"), self._single() as conn:
-            for i in range(0, len(unique), _CHUNK):
-                chunk = unique[i:i + _CHUNK]
-                params: list[Any] = []
-                for c in chunk:
-                    params += [c.task_id, c.epoch, c.token, _OUTCOME_STATE[c.outcome], c.outcome,
-                               c.error]
-                applied = {row[0] for row in conn.exec_driver_sql(
-                    self._complete_sql(len(chunk)), tuple(params))}
-                out.update(dict.fromkeys(applied, "applied"))
-                stale = [c for c in chunk if c.task_id not in applied]
-                if stale:
-                    out.update(self._stale(conn, holder, stale, self._now))
+            for batch in _rounds(list(completions), lambda c: c.task_id):
+                for i in range(0, len(batch), _CHUNK):
+                    chunk = batch[i:i + _CHUNK]
+                    params: list[Any] = []
+                    for c in chunk:
+                        params += [c.task_id, c.epoch, c.token, _OUTCOME_STATE[c.outcome],
+                                   c.outcome, c.error]
+                    applied = {row[0] for row in conn.exec_driver_sql(
+                        self._complete_sql(len(chunk)), tuple(params))}
+                    answers = dict.fromkeys(applied, "applied")
+                    stale = [c for c in chunk if c.task_id not in applied]
+                    if stale:
+                        answers.update(self._stale(conn, holder, stale, self._now))
+                    for task_id, answer in answers.items():
+                        if _RANK[answer] > _RANK.get(out.get(task_id, ""), -1):
+                            out[task_id] = answer
         return out
 
     def _complete_sql(self, rows: int) -> str:
