@@ -70,6 +70,12 @@ def bound_claim(request: Any) -> LocalClaim | None:
     return verdict.claim if isinstance(verdict, CeleryVerdict) else None
 
 
+def _mark_redelivered(message: Any) -> None:
+    info = getattr(message, "delivery_info", None)
+    if isinstance(info, dict):
+        info["redelivered"] = True
+
+
 def publication_of(headers: Any) -> str | None:
     value = headers.get(PUBLICATION_HEADER) or headers.get(FIXED_PUBLICATION_HEADER)
     return str(value)[:64] if value else None
@@ -332,6 +338,10 @@ class Intake:
                                         message=request.message)
                 self.keeper.counters.reserved += 1
                 self.pulse.ack(message)
+                if result.attempts > 1:
+                    # A later attempt of this publication (requeued or recovered): it was
+                    # delivered before, as a broker's requeue would say.
+                    _mark_redelivered(message)
                 self._hand_to_celery(claim, inner, message, body, callbacks)
             elif isinstance(result, Refusal):
                 self._store_ok()

@@ -178,10 +178,11 @@ def reject_once(self: Any, path: str) -> int:
 
     lease = current_lease()
     epoch = lease.epoch if lease else 0
+    redelivered = bool(self.request.delivery_info.get("redelivered"))
     if not os.path.exists(path):
-        mark(path, "rejected", epoch)
+        mark(path, "rejected", epoch, redelivered)
         raise Reject("not yet", requeue=True)
-    mark(path, "ran", epoch)
+    mark(path, "ran", epoch, redelivered)
     return epoch
 
 
