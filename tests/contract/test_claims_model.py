@@ -13,18 +13,24 @@ granted for ``TTL`` (far longer than a run), and ``expire`` sets one claim's
 ``lease_until`` to the store clock minus a second: "the store clock moved past this
 lease". Every expiry check compares ``lease_until`` with the store clock, so for every rule
 this is the same as waiting, without sleeping.
+
+The two store bugs the machine found (a later copy of a task id in a reserve batch was
+decided by the first copy; a stale completion after the current one in a ``complete`` call
+dropped the current outcome) have a minimal regression test each at the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -318,6 +324,8 @@ class Model:
 
     def __init__(self) -> None:
         self.rows: dict[str, Claim] = {}
+        #: Rows in ``pulse_evidence``: every stale outcome is kept, none is dropped.
+        self.evidence = 0
 
     def _held(self, cred: Cred) -> Claim | None:
         row = self.rows.get(cred.task_id)
@@ -325,35 +333,19 @@ class Model:
 
     def copy(self) -> Model:
         trial = Model()
-        trial.rows = dict(self.rows)
+        trial.rows, trial.evidence = dict(self.rows), self.evidence
         return trial
 
-    def reserve(self, holder: str, requests: Sequence[ReserveRequest], *,
-                first_copy_decides: bool = False) -> tuple[list[Granted | Refusal], Model]:
+    def reserve(self, holder: str, requests: Sequence[ReserveRequest]
+                ) -> tuple[list[Granted | Refusal], Model]:
         """The answers, and the model after the batch (a copy: the machine adopts it).
 
-        Each request is decided against the claim as the earlier ones left it ("one
-        result per request"), except that a redelivery of the first copy's publication
-        in the same batch is its duplicate: ``taken`` after its grant (the contract test
-        says so), else the first copy's refusal. ``first_copy_decides``: what the store
-        does instead (see the BUG note in :meth:`ClaimsMachine.reserve`): every later
-        copy is a duplicate of the first, whatever its publication.
+        "One result per request": each is decided against the claim as the earlier ones
+        left it, also a later copy of a task id in the same batch (a redelivery of a copy
+        just granted is ``taken``; a new publication behind a finished one runs).
         """
         trial = self.copy()
-        first: dict[str, tuple[ReserveRequest, Granted | Refusal]] = {}
-        out: list[Granted | Refusal] = []
-        for req in requests:
-            earlier = first.get(req.task_id)
-            if earlier is None:
-                first[req.task_id] = (req, trial._reserve_one(holder, req))
-                out.append(first[req.task_id][1])
-            elif first_copy_decides or req.publication == earlier[0].publication:
-                answer = earlier[1]
-                out.append(Refusal(req.task_id, "taken", RESERVED, holder, answer.epoch, 0,
-                                   req.publication) if isinstance(answer, Granted) else answer)
-            else:
-                out.append(trial._reserve_one(holder, req))
-        return out, trial
+        return [trial._reserve_one(holder, req) for req in requests], trial
 
     def _reserve_one(self, holder: str, req: ReserveRequest) -> Granted | Refusal:
         t, c = req.task_id, self.rows.get(req.task_id)
@@ -402,17 +394,15 @@ class Model:
         row = self.rows.get(cred.task_id)
         if row is not None and row.epoch == cred.epoch and row.state == state:
             return "duplicate"
+        self.evidence += 1
         return "evidence"
 
-    def complete_many(self, completions: Sequence[tuple[Cred, str]], *, last_wins: bool = False
+    def complete_many(self, completions: Sequence[tuple[Cred, str]]
                       ) -> tuple[dict[str, set[str]], Model]:
-        """Every completion is recorded, in order, as if sent alone; a task's answer is one
-        of its completions' answers. ``last_wins``: what the store does instead (see the
-        BUG note in :meth:`ClaimsMachine.complete_batch`): only the last one per task id."""
+        """Every completion is recorded, in order, as if sent alone (so the current
+        attempt's outcome is never lost to a stale one's in the same call). A task's answer
+        is one of its completions' answers, ``applied`` if one applied."""
         trial = self.copy()
-        if last_wins:
-            completions = list({cred.task_id: (cred, outcome) for cred, outcome in completions
-                                }.values())
         answers: dict[str, set[str]] = {}
         for cred, outcome in completions:
             answers.setdefault(cred.task_id, set()).add(trial.complete(cred, outcome))
@@ -470,6 +460,7 @@ class Model:
         gone = [t for t, c in self.rows.items() if c.state in FINISHED_STATES and c.finished]
         for t in gone:
             del self.rows[t]
+        self.evidence = 0  # older_than=-1: all of it
         return len(gone)
 
     def expire(self, task_id: str) -> int:
@@ -501,7 +492,9 @@ def _same_answers(expected: Sequence[Granted | Refusal], got: Sequence[Grant | R
 
 
 def _answers_in(got: Mapping[str, str], allowed: Mapping[str, set[str]]) -> bool:
-    return got.keys() == allowed.keys() and all(got[t] in allowed[t] for t in got)
+    """One answer per task id, among its completions' and ``applied`` if one applied."""
+    return got.keys() == allowed.keys() and all(
+        got[t] in allowed[t] and (got[t] == "applied" or "applied" not in allowed[t]) for t in got)
 
 
 def _unique(creds: Sequence[Cred]) -> list[Cred]:
@@ -511,7 +504,7 @@ def _unique(creds: Sequence[Cred]) -> list[Cred]:
 # -- the machine -------------------------------------------------------------------------
 #: None (mostly): the credential's own holder; else a holder who may not hold it.
 WHO = st.sampled_from((None, None, None, *HOLDERS))
-#: Usually act on the task's newest grant (deep lifecycles); stale picks have their own rule.
+#: Usually act on a grant still held (deep lifecycles); stale picks have a rule of their own.
 LATEST = st.sampled_from((True, True, False))
 REQUESTS = st.tuples(st.sampled_from(TASKS), PUBLICATION,
                      st.sampled_from(POLICIES), st.sampled_from((10, 2)))
@@ -559,33 +552,20 @@ class ClaimsMachine(RuleBasedStateMachine):
                 specs=st.lists(REQUESTS, min_size=1, max_size=3))
     def first_deliveries(self, holder: str, specs: list[tuple[str, str | None, str, int]]) -> Any:
         """Every example starts with a delivery (the other rules need a claim)."""
-        return self.reserve(holder, specs, False)
+        return self.reserve(holder, specs, False, False)
 
     @rule(target=grants, holder=st.sampled_from(WORKERS),
-          specs=st.lists(REQUESTS, min_size=1, max_size=3), again=st.booleans())
+          specs=st.lists(REQUESTS, min_size=1, max_size=3), again=st.booleans(),
+          then_start=st.booleans())
     def reserve(self, holder: str, specs: list[tuple[str, str | None, str, int]],
-                again: bool) -> Any:
-        """A batch of deliveries; ``again`` delivers the first one twice in the batch."""
+                again: bool, then_start: bool) -> Any:
+        """A batch of deliveries; ``again`` delivers the first one twice in the batch;
+        ``then_start``: the holder starts what it got at once, as a worker does."""
         requests = [make_request(*spec) for spec in specs]
         if again:
             requests.append(requests[0])
         expected, after = self.model.reserve(holder, requests)
         answers = self.store.reserve(holder, requests, TTL)
-        if not _same_answers(expected, answers):
-            known, known_after = self.model.reserve(holder, requests, first_copy_decides=True)
-            if _same_answers(known, answers):
-                # BUG: a later copy of a task id in one batch is decided by the first copy,
-                # even when it is another publication (``unique.setdefault`` in
-                # ``SqlStore.reserve``). Tolerated here so the rest keeps exploring;
-                # ``test_bug_later_copy_in_a_batch_is_decided_by_the_first`` fails until fixed.
-                # Failing example (SQLite and PostgreSQL):
-                #   g = reserve(w1, [t1 p1]); complete(w1, g, succeeded)
-                #   reserve(w2, [t1 p1, t1 p2])
-                #   -> [Refusal terminal, Refusal terminal]; p2 alone: Grant(epoch 2, attempts 1)
-                #   reserve(w1, [t2 p2, t2 p1])
-                #   -> [Grant, Refusal(taken, publication='p1')]: the claim belongs to p2
-                event("BUG tolerated: a later copy in a reserve batch decided by the first copy")
-                expected, after = known, known_after
         self.model = after
         problems: list[str] = []
         granted: dict[str, Grant] = {}
@@ -610,16 +590,24 @@ class ClaimsMachine(RuleBasedStateMachine):
             elif isinstance(got, Grant):
                 self.model.learn_token(got.task_id, got.token)
         self._fail(problems)
+        for cred in new if then_start else ():
+            self.start(cred, None)
         return multiple(*new)
 
-    def _pick(self, cred: Cred, latest: bool) -> Cred:
-        """``latest``: the task's newest grant instead (deeper lifecycles than random picks)."""
-        newest = [c for c in self.issued[cred.task_id] if c.kind == "grant"][-1]
-        return newest if latest else cred
+    def _pick(self, cred: Cred, latest: bool, states: Sequence[str] = LIVE_STATES) -> Cred:
+        """``latest``: a grant still held (of the same task if it has one) instead of the
+        drawn one, which is most often superseded or finished: deeper lifecycles."""
+        if not latest:
+            return cred
+        held = [c for creds in self.issued.values() for c in creds if c.kind == "grant"
+                and (row := self.seen.get(c.task_id)) is not None and _is_current(c, row)
+                and row.state in states]
+        held.sort(key=lambda c: c.task_id != cred.task_id)
+        return held[0] if held else cred
 
     @rule(cred=grants, who=WHO, latest=LATEST)
     def start(self, cred: Cred, who: str | None, latest: bool = False) -> None:
-        cred = self._pick(cred, latest)
+        cred = self._pick(cred, latest, (RESERVED,))
         holder = who or cred.holder
         want = self.model.start(holder, cred)
         got = cred.task_id in self.store.start_many(holder, [cred.key], TTL)
@@ -666,22 +654,6 @@ class ClaimsMachine(RuleBasedStateMachine):
         got = self.store.complete(first.holder, [Completion(c.task_id, c.epoch, c.token, out)
                                                  for c, out in batch])
         problems = check_stale("complete", [c for c, _ in batch], got, self.seen)
-        rows = {r.task_id: r for r in snapshot(self.store)}
-        if rows != after.rows:
-            known, known_after = self.model.complete_many(batch, last_wins=True)
-            if rows == known_after.rows and _answers_in(got, known):
-                # BUG: ``SqlStore.complete`` keeps only the last completion per task id
-                # (``{c.task_id: c for c in completions}``): the current attempt's outcome is
-                # dropped when a stale attempt's follows it in the batch (and is not even
-                # kept as evidence); the claim stays live, expires, and Recover re-runs (or
-                # sends to review) a task that finished. Tolerated here so the rest keeps
-                # exploring; ``test_bug_a_stale_completion_drops_the_current_one`` fails
-                # until fixed. Failing example (SQLite and PostgreSQL):
-                #   g1 = reserve(w1, [t1]); release(w1, [g1]); g2 = reserve(w1, [t1])
-                #   complete(w1, [(g2, succeeded), (g1, failed)])
-                #   -> {'t1': 'evidence'}; t1 still reserved at epoch 2, no outcome
-                event("BUG tolerated: a later stale completion drops the current one")
-                expected, after = known, known_after
         self.model = after
         if not _answers_in(got, expected):
             problems.append(f"model: complete({batch}) expected one of {expected}, got {got}")
@@ -749,11 +721,14 @@ class ClaimsMachine(RuleBasedStateMachine):
         self._fail(problems)
 
     @precondition(lambda self: any(c.lease == LIVE for c in self.model.rows.values()))
-    @rule(task_id=st.sampled_from(TASKS))
-    def expire(self, task_id: str) -> None:
-        """The store clock moved past this claim's live lease (see the module docstring)."""
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        """The store clock moved past a live lease (see the module docstring)."""
+        task_id = data.draw(st.sampled_from(sorted(t for t, c in self.model.rows.items()
+                                                   if c.lease == LIVE)), label="task_id")
         want = self.model.expire(task_id)
         got = expire(self.store, task_id)
+        event(f"expire: {self.model.rows[task_id].state}")
         self._fail([] if got == want else [f"model: expire({task_id}) expected {want}, got {got}"])
 
     @precondition(lambda self: any(c.state in FINISHED_STATES for c in self.model.rows.values()))
@@ -788,10 +763,15 @@ class ClaimsMachine(RuleBasedStateMachine):
         problems = [*check_one_live_grant(rows, self.issued), *check_epochs(self.seen, after),
                     *check_terminal(self.seen, after), *check_row_shape(rows),
                     *check_model(self.model.rows, after)]
+        with self.store.engine.connect() as conn:
+            kept = conn.execute(sa.select(sa.func.count()).select_from(evidence)).scalar_one()
+        if kept != self.model.evidence:
+            problems.append(f"model: {kept} evidence rows, expected {self.model.evidence}")
         for task_id in self.seen.keys() - after.keys():
             self.floor.pop(task_id, None)  # purged: the next row starts over at epoch 1
         self.seen = after
         self._fail(problems)
+
 
 
 # -- tests ---------------------------------------------------------------------------------
@@ -807,8 +787,23 @@ def model_store(request: pytest.FixtureRequest) -> Iterator[SqlStore]:
         store.close()
 
 
+@pytest.fixture
+def hypothesis_home(tmp_path: Path) -> Iterator[None]:
+    """No ``.hypothesis`` in the repo: with ``database=None`` only Hypothesis' cache of
+    source constants still writes there, so it goes to this test's temporary directory."""
+    set_hypothesis_home_dir(tmp_path / "hypothesis")
+    try:
+        yield
+    finally:
+        set_hypothesis_home_dir(None)  # back to the default
+
+
 class TestClaimsModel:
-    def test_interleavings_keep_the_invariants(self, model_store: SqlStore) -> None:
+    """The machine on each SQL store; a failure prints the steps and a ``@reproduce_failure``
+    blob (``print_blob``)."""
+
+    def test_interleavings_keep_the_invariants(self, model_store: SqlStore, hypothesis_home: None
+                                               ) -> None:
         run_state_machine_as_test(lambda: ClaimsMachine(model_store), settings=MACHINE_SETTINGS)
 
 
@@ -879,25 +874,34 @@ def test_checkers_catch_corrupted_rows(model_store: SqlStore) -> None:
     assert reports(6, check_reservation(make_request("b", "p1"), regrant, clean["b"]))
 
 
-# -- the bugs the machine found (tolerated in it, see the BUG notes) ---------------------
-@pytest.mark.xfail(strict=True, reason="BUG: a later copy in a reserve batch is decided by the first")
-def test_bug_later_copy_in_a_batch_is_decided_by_the_first(model_store: SqlStore) -> None:
-    """Each request must be decided against the claim as the earlier ones left it."""
+# -- the bugs the machine found: minimal regressions -------------------------------------
+def test_a_later_copy_in_a_reserve_batch_sees_what_the_earlier_left(model_store: SqlStore) -> None:
+    """Each request is decided against the claim as the earlier ones left it.
+
+    Found by the machine: the store decided every copy of a task id in one batch by the
+    first (``unique.setdefault``), so p2 below was refused ``terminal`` and lost, and the
+    second copy of t2 was refused with its own publication instead of the claim's.
+    """
     store = model_store
     (g,) = store.reserve("w1", [make_request("t1", "p1")], TTL)
     assert isinstance(g, Grant)
     store.complete("w1", [Completion("t1", g.epoch, g.token, SUCCEEDED)])
-    _, again = store.reserve("w2", [make_request("t1", "p1"), make_request("t1", "p2")], TTL)
+    dup, again = store.reserve("w2", [make_request("t1", "p1"), make_request("t1", "p2")], TTL)
+    assert isinstance(dup, Refusal) and dup.reason == "terminal", dup
     # p2 is a new publication of a finished task: it runs again (alone, it is granted).
     assert isinstance(again, Grant) and (again.epoch, again.attempts) == (2, 1), again
     _, second = store.reserve("w1", [make_request("t2", "p2"), make_request("t2", "p1")], TTL)
     # Refusal.publication is "the publication the claim currently belongs to": p2.
-    assert isinstance(second, Refusal) and second.publication == "p2", second
+    assert isinstance(second, Refusal) and (second.reason, second.publication) == ("taken", "p2")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a later stale completion drops the current one")
-def test_bug_a_stale_completion_drops_the_current_one(model_store: SqlStore) -> None:
-    """Two attempts of one task completed in one group commit: the current one must apply."""
+def test_a_stale_completion_does_not_drop_the_current_one(model_store: SqlStore) -> None:
+    """Two attempts of one task completed in one call (one group commit): the current applies.
+
+    Found by the machine: the store kept only the last completion per task id, so the
+    current attempt's outcome was dropped (not even kept as evidence) and the claim stayed
+    reserved until Recover re-ran the task.
+    """
     store = model_store
     (g1,) = store.reserve("w1", [make_request("t1", "p1")], TTL)
     assert isinstance(g1, Grant)
@@ -907,4 +911,4 @@ def test_bug_a_stale_completion_drops_the_current_one(model_store: SqlStore) -> 
     got = store.complete("w1", [Completion("t1", g2.epoch, g2.token, SUCCEEDED),
                                 Completion("t1", g1.epoch, g1.token, FAILED)])
     (row,) = snapshot(store)
-    assert (row.state, row.epoch) == (SUCCEEDED, g2.epoch), (got, row)
+    assert (row.state, row.epoch, got) == (SUCCEEDED, g2.epoch, {"t1": "applied"}), (got, row)
