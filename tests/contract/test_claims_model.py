@@ -590,8 +590,10 @@ class ClaimsMachine(RuleBasedStateMachine):
             elif isinstance(got, Grant):
                 self.model.learn_token(got.task_id, got.token)
         self._fail(problems)
-        for cred in new if then_start else ():
-            self.start(cred, None)
+        if then_start and new:
+            self.rows_keep_the_invariants()  # the reservation is a step of its own
+            for cred in new:
+                self.start(cred, None)
         return multiple(*new)
 
     def _pick(self, cred: Cred, latest: bool, states: Sequence[str] = LIVE_STATES) -> Cred:
