@@ -25,7 +25,7 @@ from typing import Any
 
 from celery_pulse.bootsteps.loop import LoopCaller
 from celery_pulse.errors import PulseError
-from celery_pulse.leases import LOST, LocalClaim
+from celery_pulse.leases import LocalClaim
 from celery_pulse.store.base import FAILED, Grant, Message, Refusal, ReserveRequest
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,10 @@ class Intake:
                 self.inflight[task_id].append((message, body, None, None, callbacks))
                 return None
             local = self.keeper.get(task_id)
-            if local is not None and local.state != LOST:
+            # Only a live local lease decides here: one past its deadline may already be
+            # re-dispatched by Recover (after a pause, this delivery can be that copy),
+            # so the store decides instead.
+            if local is not None and self.keeper.is_live(local):
                 if (local.publication == publication if publication
                         else retries <= local.retries):
                     self.pulse.ack(message)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import signal
+import weakref
 from types import CodeType, FrameType
 from typing import Any
 
@@ -56,6 +57,8 @@ _store: Any = None
 _fence: Any = None
 _armed: tuple[Lease, frozenset[CodeType]] | None = None
 _codes: dict[str, frozenset[CodeType]] = {}
+#: Result backends whose writes are guarded in this process.
+_guarded: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def configure(context: ChildContext) -> None:
@@ -122,13 +125,17 @@ def _on_lease_signal(signum: int, frame: FrameType | None) -> None:
 
 def _guard_backend(backend: Any) -> None:
     """Wrap ``backend``'s writes (once per backend instance) with the lease check."""
-    if backend is None or getattr(backend, "_pulse_guarded", False):
+    if backend is None or backend in _guarded:
         return
-    for name in BACKEND_WRITES:
-        method = getattr(backend, name, None)
-        if method is not None:
-            setattr(backend, name, _unless_lost(method, name))
-    backend._pulse_guarded = True
+    _guarded.add(backend)  # once, even if it fails half-way (never wrap twice)
+    try:
+        for name in BACKEND_WRITES:
+            method = getattr(backend, name, None)
+            if method is not None:
+                setattr(backend, name, _unless_lost(method, name))
+    except (AttributeError, TypeError):  # a backend that takes no attributes: unguarded
+        logger.warning("pulse: cannot guard result backend %r: a stale attempt may write "
+                       "its outcome", type(backend).__name__)
 
 
 def _unless_lost(method: Any, name: str) -> Any:
