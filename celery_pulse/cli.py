@@ -209,7 +209,8 @@ def _status_payload(ctx: click.Context, store: SqlStore) -> dict[str, Any]:
     has_schedule = bool(ctx.obj.app.conf.beat_schedule) or any(
         r.enabled for r in store.list_schedule())
     claims = {k: counts.get(k, 0) for k in
-              ("reserved", "running", "open", "expired", "succeeded", "failed", "needs_review")}
+              ("reserved", "running", "open", "expired", "succeeded", "failed", "revoked",
+               "needs_review")}
     problems = []
     if claims["needs_review"]:
         problems.append(f"{claims['needs_review']} task(s) need review: celery pulse review")
@@ -236,7 +237,7 @@ def _print_status(payload: dict[str, Any]) -> None:
                    f"{_fmt_seconds(leader['lease_remaining'])})")
     click.echo(f"claims: {c['running']} running, {c['reserved']} reserved, {c['open']} "
                f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
-               f"succeeded, {c['failed']} failed")
+               f"succeeded, {c['failed']} failed, {c['revoked']} revoked")
     review_line = f"needs review: {c['needs_review']}"
     click.echo(click.style(review_line, fg="red") if c["needs_review"] else review_line)
     for problem in payload["needs_attention"]:
