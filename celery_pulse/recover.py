@@ -104,6 +104,7 @@ class Recoverer:
         next_scan = 0.0
         while not self._stop.is_set():
             delay = self.interval
+            self._wake.clear()  # before the work: a requeue asked meanwhile wakes the next wait
             try:
                 self.requeue_pending()
                 if self.monotonic() >= next_scan:
@@ -118,7 +119,6 @@ class Recoverer:
             except Exception:
                 logger.exception("pulse: recover scan failed unexpectedly")
             self._wake.wait(delay)
-            self._wake.clear()
 
     def scan_once(self) -> list[Recovered]:
         taken = self.store.recover(self.scanner, self.batch, self.publish_ttl)
@@ -142,7 +142,7 @@ class Recoverer:
                     continue
                 published.append((item.task_id, item.epoch, item.token))
                 if requeued:
-                    self.counts["requeued"] = self.counts.get("requeued", 0) + 1
+                    self.counts["requeued"] += 1
                     logger.info("pulse: %s[%s] requeued as epoch %d", item.task_name,
                                 item.task_id, item.epoch)
                     continue
