@@ -43,9 +43,11 @@ from celery_pulse.store.base import ClaimInfo, Store
 
 __all__ = [
     "FAST_SETTINGS",
+    "ClaimTools",
     "PulseTestWorker",
     "atomic_filesystem_puts",
     "embedded_conf",
+    "locked_store",
     "pulse_worker",
     "pulse_worker_factory",
     "wait_for",
@@ -126,24 +128,10 @@ def migrate(store_url: str) -> None:
 _STORE_METHODS = tuple(sorted({*Store.__abstractmethods__, "set_drain"}))
 
 
-@dataclasses.dataclass
-class PulseTestWorker:
-    """A running in-process pulse worker and the tools to break things under it."""
+class ClaimTools:
+    """Look at and break claims in the store a worker uses (``self.store``)."""
 
-    app: Any
-    controller: Any
-    store_url: str
-    folder: Path
-    store: Any = dataclasses.field(default=None, repr=False)
-
-    @property
-    def hostname(self) -> str:
-        return str(self.controller.hostname)
-
-    @property
-    def pulse(self) -> Any:
-        """The worker's pulse runtime (its store, lease keeper, membership...)."""
-        return self.controller.pulse
+    store: Any
 
     # -- looking -------------------------------------------------------------------------
     def claim(self, task_id: str) -> ClaimInfo | None:
@@ -160,16 +148,6 @@ class PulseTestWorker:
             return info if info is not None and (not states or info.state in states) else None
         what = f"claim {task_id} in state {'/'.join(states) or 'any'}"
         return wait_for(ready, timeout, what)
-
-    def wait_for_attempt_end(self, task_id: str, timeout: float = 10.0) -> None:
-        """Wait until this worker no longer holds or runs any attempt of ``task_id``.
-
-        After a lost lease this is how a test sees the stale attempt stop: it ends on
-        :class:`~celery_pulse.LeaseLost` but writes nothing to the result backend (only
-        the attempt that holds the lease does), so ``result.get()`` can't show it.
-        """
-        wait_for(lambda: not self.pulse.keeper.attempts(task_id), timeout,
-                 f"this worker's attempt of {task_id} to end")
 
     # -- breaking ------------------------------------------------------------------------
     def steal_lease(self, task_id: str, *, holder: str = "thief", ttl: float = 60.0) -> int:
@@ -190,6 +168,36 @@ class PulseTestWorker:
         epoch the lost lease had.
         """
         return _rewrite_claim(self.store, task_id, holder=None, lease=None)
+
+
+@dataclasses.dataclass
+class PulseTestWorker(ClaimTools):
+    """A running in-process pulse worker and the tools to break things under it."""
+
+    app: Any
+    controller: Any
+    store_url: str
+    folder: Path
+    store: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def hostname(self) -> str:
+        return str(self.controller.hostname)
+
+    @property
+    def pulse(self) -> Any:
+        """The worker's pulse runtime (its store, lease keeper, membership...)."""
+        return self.controller.pulse
+
+    def wait_for_attempt_end(self, task_id: str, timeout: float = 10.0) -> None:
+        """Wait until this worker no longer holds or runs any attempt of ``task_id``.
+
+        After a lost lease this is how a test sees the stale attempt stop: it ends on
+        :class:`~celery_pulse.LeaseLost` but writes nothing to the result backend (only
+        the attempt that holds the lease does), so ``result.get()`` can't show it.
+        """
+        wait_for(lambda: not self.pulse.keeper.attempts(task_id), timeout,
+                 f"this worker's attempt of {task_id} to end")
 
     @contextlib.contextmanager
     def store_outage(self) -> Iterator[None]:
@@ -238,6 +246,38 @@ def _rewrite_claim(store: Any, task_id: str, *, holder: str | None, lease: float
     if epoch is None:
         raise NotFound(f"no reserved or running claim for task {task_id}")
     return int(epoch)
+
+
+@contextlib.contextmanager
+def locked_store(store_url: str) -> Iterator[None]:
+    """Hold the pulse tables locked until the block exits: the store stops answering.
+
+    For a worker in another process, where :meth:`PulseTestWorker.store_outage` can't
+    reach. On PostgreSQL every pulse table is locked ``ACCESS EXCLUSIVE`` (each
+    statement of the worker waits); on SQLite the database is locked for writing
+    (each write waits out the busy timeout, then fails). Either way the worker
+    renews nothing, and at its local deadline it treats every lease as lost.
+    """
+    import sqlalchemy as sa
+
+    from celery_pulse.store.sql.tables import metadata
+
+    engine = sa.create_engine(store_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN EXCLUSIVE")
+            else:
+                conn.begin()
+                names = ", ".join(engine.dialect.identifier_preparer.quote(t.name)
+                                  for t in metadata.sorted_tables)
+                conn.exec_driver_sql(f"LOCK TABLE {names} IN ACCESS EXCLUSIVE MODE")
+            try:
+                yield
+            finally:
+                conn.rollback()
+    finally:
+        engine.dispose()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,1 @@
+"""Integrations with other tools of the Celery ecosystem (opt-in, imported by name)."""
