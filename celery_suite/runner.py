@@ -262,7 +262,9 @@ def run_suite(pool: str, modules: Sequence[str], *, timeout: float, budget: floa
                 only_file.write_text("".join(f"{i}\n" for i in only))
                 env["CELERY_SUITE_ONLY"] = str(only_file)
             # celery.contrib.pytest has no entry point (pytest-celery would bring one): load it.
-            args = ["-p", "celery.contrib.pytest", "-p", "celery_suite.pytest_plugin",
+            # -p no:celery: pytest-celery (a dev dependency) must not replace Celery's own
+            # fixtures: the suite runs exactly as Celery's CI runs it on prefork.
+            args = ["-p", "no:celery", "-p", "celery.contrib.pytest", "-p", "celery_suite.pytest_plugin",
                     "-p", "no:cacheprovider",
                     "-c", str(root / "pytest.ini"), "--rootdir", str(root), f"--timeout={timeout:g}",
                     "-v", "-rfE", "--tb=short", "-o", "console_output_style=count"]

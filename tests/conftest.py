@@ -14,6 +14,9 @@ from tests.helpers import services
 from tests.helpers.pg import PrivatePostgres, Schema
 from tests.helpers.workers import Env, Worker
 
+#: pytest-celery's fixtures on local -P pulse workers (tests/acceptance/test_pytest_celery.py).
+pytest_plugins = ["celery_pulse.contrib.pytest_celery"]
+
 STORES = ["sqlite", "postgres"]
 
 

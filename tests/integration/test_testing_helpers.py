@@ -22,21 +22,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTING_DOC = ROOT / "docs" / "testing.md"
-BLOCK = re.compile(r"<!-- doc-test: (?P<kind>pytest|file) (?P<name>[\w.]+) -->\n"
+BLOCK = re.compile(r"<!-- doc-test: (?P<kind>pytest|file) (?P<name>[\w./-]+) -->\n"
                    r"```python\n(?P<code>.*?)```", re.S)
 #: Generous: each example starts (~1 s) and stops (~5 s) a worker and waits for leases.
 TIMEOUT = 240.0
 
 
-def doc_files(doc: Path) -> dict[str, tuple[str, str]]:
-    """``name -> (kind, code)`` for every doc-test block of ``doc``."""
-    return {m["name"]: (m["kind"], m["code"]) for m in BLOCK.finditer(doc.read_text())}
+def doc_files(doc: Path, folder: str = "") -> dict[str, tuple[str, str]]:
+    """``name -> (kind, code)`` for the doc-test blocks of ``doc`` in ``folder`` (a name prefix)."""
+    found = {}
+    for m in BLOCK.finditer(doc.read_text()):
+        head, _, name = m["name"].rpartition("/")
+        if head == folder:
+            found[name] = (m["kind"], m["code"])
+    return found
 
 
-def run_bounded(argv: list[str], cwd: Path, timeout: float = TIMEOUT
-                ) -> subprocess.CompletedProcess[str]:
+def run_bounded(argv: list[str], cwd: Path, timeout: float = TIMEOUT,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in its own process group; kill the whole group on timeout."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

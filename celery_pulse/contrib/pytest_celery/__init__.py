@@ -34,6 +34,7 @@ from celery_pulse.contrib.pytest_celery.fixtures import (
     pulse_worker_node_factory,
     pulse_worker_queue,
     pytest_addoption,
+    pytest_configure,
     pytest_generate_tests,
 )
 from celery_pulse.contrib.pytest_celery.nodes import (
@@ -68,5 +69,6 @@ __all__ = [
     "pulse_worker_node_factory",
     "pulse_worker_queue",
     "pytest_addoption",
+    "pytest_configure",
     "pytest_generate_tests",
 ]

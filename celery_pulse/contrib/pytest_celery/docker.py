@@ -12,7 +12,7 @@ from types import ModuleType
 from pytest_celery import CeleryWorkerContainer
 
 
-class PulseWorkerContainer(CeleryWorkerContainer):  # type: ignore[misc]
+class PulseWorkerContainer(CeleryWorkerContainer):
     """pytest-celery's worker container, with the pulse pool and a migrated store.
 
     The image must have ``celery-pulse-leases`` installed (set

@@ -43,6 +43,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "$PULSE_TEST_PG) (env PULSE_PYTEST_STORE)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse a load order in which pytest-celery's fixtures would shadow ours.
+
+    Fixtures of a plugin registered later win. pytest-celery registers itself from its
+    entry point; ``-p`` loads us before that, ``pytest_plugins`` in a conftest after.
+    """
+    import sys
+
+    plugins = [plugin for _, plugin in config.pluginmanager.list_name_plugin()]
+    ours = sys.modules["celery_pulse.contrib.pytest_celery"]
+    theirs = sys.modules.get("pytest_celery.plugin")
+    if ours in plugins and theirs in plugins and plugins.index(ours) < plugins.index(theirs):
+        raise pytest.UsageError(
+            "celery_pulse.contrib.pytest_celery was loaded before pytest-celery's own plugin, "
+            "so pytest-celery's fixtures would shadow it: load it with "
+            'pytest_plugins = ["celery_pulse.contrib.pytest_celery"] in your top-level '
+            "conftest.py (or -p celery -p celery_pulse.contrib.pytest_celery)")
+
+
 def selected(config: pytest.Config, option: str, known: tuple[str, ...]) -> list[str]:
     raw = str(config.getoption(option))
     names = list(known) if raw.strip() == "all" else [n.strip() for n in raw.split(",") if n.strip()]

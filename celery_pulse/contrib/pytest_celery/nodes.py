@@ -38,11 +38,11 @@ class PulseWorkerNode(CeleryTestWorker):
     name. ``logs()`` holds everything it printed, over every run.
     """
 
-    container: LocalProcess  # type: ignore[assignment]
+    container: LocalProcess
 
     def __init__(self, process: LocalProcess, app: Celery, *, worker_name: str, host: str,
                  queue: str, log_level: str) -> None:
-        super().__init__(process, app)  # type: ignore[arg-type]
+        super().__init__(process, app)
         self._worker_name = worker_name
         self._host = host
         self._queue = queue
@@ -196,7 +196,7 @@ class RunningService:
                  tidy: Any = None) -> None:
         self.name = name
         self.id = uuid.uuid4().hex
-        self.celeryconfig = {"url": url, "host_url": url, "conf": dict(conf or {})}
+        self.celeryconfig: dict[str, Any] = {"url": url, "host_url": url, "conf": dict(conf or {})}
         self._tidy = tidy
 
     def logs(self) -> str:
@@ -247,29 +247,29 @@ def filesystem_broker(folder: Path) -> PulseTestBroker:
                "polling_interval": 0.05}
     service = RunningService("filesystem-broker", "filesystem://",
                              {"broker_transport_options": options})
-    return PulseTestBroker(service)  # type: ignore[arg-type]
+    return PulseTestBroker(service)
 
 
 def redis_broker(url: str) -> PulseTestBroker:
     """The Redis server at ``url``; its database is emptied when the test ends."""
     service = RunningService("redis-broker", url, tidy=lambda: services.flush_redis_db(url))
-    return PulseTestBroker(service)  # type: ignore[arg-type]
+    return PulseTestBroker(service)
 
 
 def rabbitmq_broker(url: str, queue: str) -> PulseTestBroker:
     """The RabbitMQ server at ``url``; the test's queue and exchange are deleted at the end."""
     service = RunningService("rabbitmq-broker", url,
                              tidy=lambda: services.delete_amqp_entities(url, [queue], [queue]))
-    return PulseTestBroker(service)  # type: ignore[arg-type]
+    return PulseTestBroker(service)
 
 
 def file_backend(folder: Path) -> PulseTestBackend:
     """Celery's ``file://`` result backend in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    return PulseTestBackend(RunningService("file-backend", f"file://{folder}"))  # type: ignore[arg-type]
+    return PulseTestBackend(RunningService("file-backend", f"file://{folder}"))
 
 
 def redis_backend(url: str) -> PulseTestBackend:
     """The Redis result backend at ``url``; its database is emptied when the test ends."""
     service = RunningService("redis-backend", url, tidy=lambda: services.flush_redis_db(url))
-    return PulseTestBackend(service)  # type: ignore[arg-type]
+    return PulseTestBackend(service)

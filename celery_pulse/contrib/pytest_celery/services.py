@@ -76,7 +76,7 @@ class Schema:
 
 def delete_amqp_entities(url: str, queues: list[str], exchanges: list[str]) -> None:
     """Delete ``queues`` and ``exchanges`` on the broker at ``url`` (missing ones are fine)."""
-    from kombu import Connection
+    from kombu.connection import Connection
 
     with Connection(url, connect_timeout=5) as conn:
         for name in queues:

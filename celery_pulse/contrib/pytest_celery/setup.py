@@ -13,7 +13,7 @@ import celery_pulse
 from celery_pulse.testing import ClaimTools, locked_store
 
 
-class PulseTestSetup(CeleryTestSetup, ClaimTools):  # type: ignore[misc]
+class PulseTestSetup(CeleryTestSetup, ClaimTools):
     """``celery_setup`` for pulse workers.
 
     Everything of pytest-celery's setup (``app``, ``worker``, ``worker_cluster``,
