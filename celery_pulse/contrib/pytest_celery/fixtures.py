@@ -210,14 +210,17 @@ def celery_setup_config(celery_broker_cluster: CeleryBrokerCluster | None,
 
 
 @pytest.fixture
-def pulse_worker_node_factory(tmp_path: Path, pulse_worker_queue: str,
+def pulse_worker_node_factory(tmp_path: Path, pulse_worker_queue: str, celery_setup_config: dict[str, Any],
                                default_worker_app: Celery, default_worker_tasks: set[Any],
                                default_worker_signals: set[Any], pulse_worker_concurrency: int,
                                ) -> Iterator[Callable[..., nodes.PulseWorkerNode]]:
     """``start(**options)`` -> one more ``-P pulse`` worker node on the test's queue.
 
-    Options: ``concurrency``, ``log_level``, ``extra_args`` (more ``celery worker``
-    arguments), ``env``, ``app``, ``queue``. Every node it started is killed at teardown.
+    The node runs ``default_worker_app`` with the test's settings
+    (``celery_setup_config``) over its own: return your project's module-level app from
+    ``default_worker_app`` and the worker imports its module and runs it. Options:
+    ``concurrency``, ``log_level``, ``extra_args`` (more ``celery worker`` arguments),
+    ``env``, ``app``, ``queue``. Every node it started is killed at teardown.
     """
     started: list[nodes.PulseWorkerNode] = []
     prefix = pulse_worker_queue
@@ -227,6 +230,7 @@ def pulse_worker_node_factory(tmp_path: Path, pulse_worker_queue: str,
         node = nodes.start_worker(
             options.pop("app", default_worker_app), folder=tmp_path / "workers",
             queue=options.pop("queue", pulse_worker_queue), worker_name=f"{prefix}-w{index}",
+            overrides=celery_setup_config,
             modules=[*default_worker_tasks, *default_worker_signals],
             concurrency=options.pop("concurrency", pulse_worker_concurrency), **options)
         started.append(node)

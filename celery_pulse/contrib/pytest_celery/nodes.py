@@ -122,7 +122,12 @@ def find_app_ref(app: Celery) -> str | None:
 
 
 def picklable_config(app: Celery, *, strict: bool) -> dict[str, Any]:
-    """The app's configuration as the test has it (``config_from_object`` included)."""
+    """The app's configuration as the test has it (``config_from_object`` included).
+
+    ``app.conf.changes`` no longer holds what ``config_from_object`` loaded once the
+    configuration is read, hence ``table``; pickle, because timedelta and crontab
+    settings are not JSON.
+    """
     config: dict[str, Any] = {}
     for key, value in app.conf.table(with_defaults=False, censored=False).items():
         try:
@@ -149,17 +154,26 @@ def python_path() -> str:
 
 
 def start_worker(app: Celery, *, folder: Path, queue: str, worker_name: str,
+                 overrides: dict[str, Any] | None = None,
                  modules: Sequence[types.ModuleType | str] = (), concurrency: int = 1,
                  log_level: str = "INFO", extra_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, ready_timeout: float = 60.0) -> PulseWorkerNode:
-    """Migrate the app's store, start ``celery worker -P pulse`` for ``app`` and wait until ready."""
+    """Migrate the store, start ``celery worker -P pulse`` for ``app`` and wait until ready.
+
+    The worker runs ``app`` (imported from its module when it is a module-level app,
+    else rebuilt from its configuration) with ``overrides`` (the test's broker,
+    backend, store, queue ...) applied over its own settings.
+    """
     from celery_pulse.testing import migrate
 
-    migrate(str(app.conf.pulse_store_url))
+    overrides = dict(overrides or {})
+    migrate(str(overrides.get("pulse_store_url") or app.conf.pulse_store_url))
     folder.mkdir(parents=True, exist_ok=True)
     app_ref = find_app_ref(app)
+    config = picklable_config(app, strict=app_ref is None)
+    config.update(overrides)
     spec = {"main": app.main, "app_ref": app_ref, "modules": module_names(modules),
-            "config": picklable_config(app, strict=app_ref is None)}
+            "config": config}
     spec_path = folder / f"{worker_name}.spec"
     spec_path.write_bytes(pickle.dumps(spec))
     host = socket.gethostname()
