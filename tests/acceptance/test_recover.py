@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -44,9 +43,6 @@ SLACK = 2.0
 #: How long we watch for something that must NOT happen (a re-run of a review task):
 #: longer than a lease plus two recover scans, so a wrong re-dispatch would show.
 OBSERVE = FAST["pulse_lease_ttl"] + 2 * FAST["pulse_recover_interval"]
-
-#: Measured kill -> re-run delays of this session, summarised at the end of each test.
-DELAYS: list[float] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,47 +137,10 @@ def start_all(env: Env, workers: Callable[..., Worker], *names: str,
     return started
 
 
-def report_delay(label: str, delay: float) -> None:
-    DELAYS.append(delay)
-    print(f"\n{label}: {delay:.3f}s (bound {BOUND:.1f}s + {SLACK:.1f}s slack; "
-          f"median so far {statistics.median(DELAYS):.3f}s over {len(DELAYS)})")
-
-
 # -- 1. acks_late task on a killed worker: re-run elsewhere --------------------------------
-def test_killed_acks_late_task_reruns_on_the_other_worker(
-        pg_url: str, pg_store: SqlStore, broker: str, renv: Callable[..., Env],
-        workers: Callable[..., Worker], client: Callable[..., Celery], tmp_path: Path) -> None:
-    env = renv(pg_url, broker, FAST)
-    a, b = start_all(env, workers, "a@%h", "b@%h")
-    journal, gate = tmp_path / "journal.txt", tmp_path / "gate"
-    task_id = client(broker).send_task("recoverapp.late", args=[str(journal), 120, str(gate)],
-                                       queue=env.queue).id
-
-    first = wait_for(lambda: events_of(journal, task_id), 20, "the task to start")[0]
-    assert first.epoch == 1
-    victim, survivor = (a, b) if short(first.host) == "a" else (b, a)
-    victim.kill()
-    killed = time.time()
-    gate.touch()  # a re-run passes straight through
-
-    rerun = wait_for(lambda: (s := events_of(journal, task_id))[1:] and s[1],
-                     BOUND + SLACK + 10, "the re-run on the surviving worker")
-    delay = rerun.at - killed
-    report_delay(f"acks_late kill -> re-run start [{broker.split(':')[0]}]", delay)
-    assert short(rerun.host) == survivor.name.split("@")[0]
-    assert 0 < delay <= BOUND + SLACK, delay
-    # Recover took it over as epoch 2, the survivor reserved it as epoch 3 and ran it.
-    assert rerun.epoch == 3
-    done = wait_for(lambda: claim_in(pg_store, task_id, "succeeded"), 15, "claim succeeded")
-    assert (done.epoch, done.attempts) == (3, 2)
-    assert len(events_of(journal, task_id)) == 2
-    ends = events_of(journal, task_id, "end")
-    assert [(e.epoch, short(e.host)) for e in ends] == [(3, short(survivor.name))]
-    assert re.search(rf"recovered recoverapp\.late\[{task_id}\] \(was running\): "
-                     rf"re-dispatched as epoch 2", survivor.log()), survivor.log()[-3000:]
-    # The broker never handed the task out again by itself (it was acknowledged at
-    # reservation): the only second delivery is Recover's re-publish.
-    assert "duplicate delivery of" not in survivor.log(), survivor.log()[-3000:]
+# On pytest-celery's celery_worker_cluster: tests/plugin/test_cluster.py
+# (test_killed_node_acks_late_task_reruns_on_the_other, on RabbitMQ and Redis with the
+# PostgreSQL store, and on the embedded default).
 
 
 # -- 2. plain task on a killed worker: needs review, not re-run -------------------------------

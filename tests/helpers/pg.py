@@ -10,36 +10,10 @@ import socket
 import subprocess
 import tempfile
 import time
-import uuid
-from urllib.parse import quote
 
-import sqlalchemy as sa
+from celery_pulse.contrib.services import Schema, schema_url
 
-
-def schema_url(base: str, schema: str) -> str:
-    """``base`` with every connection's search_path set to ``schema``."""
-    sep = "&" if "?" in base else "?"
-    return f"{base}{sep}options={quote(f'-csearch_path={schema}')}"
-
-
-class Schema:
-    """A throwaway schema in the shared ``test`` database."""
-
-    def __init__(self, admin_url: str) -> None:
-        self.admin_url = admin_url
-        self.name = "t_" + uuid.uuid4().hex[:12]
-        self.url = schema_url(admin_url, self.name)
-        self._engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
-
-    def create(self) -> Schema:
-        with self._engine.connect() as conn:
-            conn.exec_driver_sql(f'CREATE SCHEMA "{self.name}"')
-        return self
-
-    def drop(self) -> None:
-        with self._engine.connect() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{self.name}" CASCADE')
-        self._engine.dispose()
+__all__ = ["PrivatePostgres", "Schema", "schema_url"]
 
 
 def _pg_bin(name: str) -> str:

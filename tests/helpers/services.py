@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
-import pytest
+from celery_pulse.contrib import services as plugin_services
+from celery_pulse.contrib.services import IN_CI, reachable
 
-IN_CI = os.environ.get("CI", "").lower() == "true"
+__all__ = ["IN_CI", "PG_ADMIN_URL", "RABBIT_URL", "REDIS_URL", "SERVICES", "reachable", "require"]
 
 SERVICES = {
     "postgres": ("127.0.0.1", 5432),
@@ -15,25 +15,11 @@ SERVICES = {
     "redis": ("127.0.0.1", 6379),
 }
 
-PG_ADMIN_URL = os.environ.get("PULSE_TEST_PG", "postgresql+psycopg://root@127.0.0.1:5432/test")
-RABBIT_URL = os.environ.get("PULSE_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+PG_ADMIN_URL = plugin_services.POSTGRES_URL  # $PULSE_TEST_PG
+RABBIT_URL = plugin_services.RABBITMQ_URL  # $PULSE_TEST_AMQP
 REDIS_URL = os.environ.get("PULSE_TEST_REDIS", "redis://127.0.0.1:6379/0")
-
-
-def reachable(host: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def require(name: str) -> None:
     """Skip (locally) or fail (CI) when service ``name`` is not reachable."""
-    host, port = SERVICES[name]
-    if reachable(host, port):
-        return
-    message = f"{name} is not reachable at {host}:{port}"
-    if IN_CI:
-        pytest.fail(f"{message} (CI=true: services are required)", pytrace=False)
-    pytest.skip(message)
+    plugin_services.require(name, *SERVICES[name])

@@ -3,8 +3,13 @@
 A user-style override of ``celery_worker_cluster`` adds a second node from the
 plugin's ``pulse_worker_node_factory``; the node that runs the task is SIGKILLed with
 its pool. An ``acks_late`` task is re-run by the other node under Recover's epoch; a
-default-acks task goes to review and nobody runs it again. On the SQLite and the
-PostgreSQL store (this module's ``pulse_store_url`` override).
+default-acks task goes to review and nobody runs it again.
+
+Three stacks, chosen per test with pytest-celery's own ``celery_broker`` fixture
+(parametrized indirectly) and this module's ``pulse_store_url`` override: the
+embedded default (filesystem broker, SQLite store), and the PostgreSQL store with
+RabbitMQ and with Redis, where the broker must not hand the acknowledged task out
+again by itself (Recover's re-publish is its only second delivery).
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ from celery_pulse.testing import wait_for
 from tests.apps import clustertasks
 from tests.plugin.conftest import BOUND, OBSERVE, journal
 
+pytestmark = pytest.mark.parametrize(
+    "celery_broker", ["pulse_filesystem_broker", "pulse_rabbitmq_broker", "pulse_redis_broker"],
+    ids=["filesystem-sqlite", "rabbitmq-postgres", "redis-postgres"], indirect=True)
 
-@pytest.fixture(params=["sqlite", "postgres"])
+
+@pytest.fixture
 def pulse_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Both stores (this module's override of the plugin's fixture)."""
-    if request.param == "postgres":
+    """SQLite with the filesystem broker, PostgreSQL with a server broker."""
+    if request.node.callspec.params["celery_broker"] != "pulse_filesystem_broker":
         url: str = request.getfixturevalue("pulse_postgres_store_url")
         return url
     return f"sqlite:///{tmp_path / 'pulse.sqlite3'}"
@@ -65,7 +74,10 @@ def test_killed_node_acks_late_task_reruns_on_the_other(
     # Recover took it over as epoch 2, the survivor reserved it as epoch 3 and ran it.
     assert (done.epoch, done.attempts, rerun.epoch) == (3, 2, 3)
     assert [(e.epoch, e.host) for e in journal(path, result.id, "end")] == [(3, survivor.hostname())]
-    survivor.assert_log_exists(f"recovered clustertasks.late[{result.id}] (was running)")
+    survivor.assert_log_exists(f"recovered clustertasks.late[{result.id}] (was running): "
+                               "re-dispatched as epoch 2")
+    # It was acknowledged at reservation: the broker never handed it out again by itself.
+    assert "duplicate delivery of" not in survivor.logs()
 
 
 def test_killed_node_plain_task_goes_to_review(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_pulse.contrib.pytest_celery import services
+from celery_pulse.contrib import services
 from celery_pulse.testing import wait_for
 from tests.helpers import services as project_services
 from tests.integration.test_testing_helpers import TESTING_DOC, doc_files, run_bounded

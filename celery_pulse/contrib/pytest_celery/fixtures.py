@@ -19,7 +19,8 @@ import pytest
 from celery import Celery
 from pytest_celery import CeleryBackendCluster, CeleryBrokerCluster, CeleryTestSetup
 
-from celery_pulse.contrib.pytest_celery import nodes, services
+from celery_pulse.contrib import services
+from celery_pulse.contrib.pytest_celery import nodes
 from celery_pulse.contrib.pytest_celery.setup import PulseTestSetup
 from celery_pulse.testing import FAST_SETTINGS
 

@@ -24,7 +24,7 @@ import celery
 from celery import Celery
 from pytest_celery import CeleryTestBackend, CeleryTestBroker, CeleryTestWorker
 
-from celery_pulse.contrib.pytest_celery import services
+from celery_pulse.contrib import services
 from celery_pulse.contrib.pytest_celery.process import LocalProcess
 from celery_pulse.contrib.pytest_celery.worker_app import SPEC_ENV
 

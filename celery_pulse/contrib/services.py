@@ -1,4 +1,4 @@
-"""The running services a test may use: where they are, whether they answer, how to tidy them.
+"""Running services a test may use (PostgreSQL, RabbitMQ, Redis): where, whether up, how to tidy.
 
 Locally a missing service skips the test with a message naming it; with ``CI=true`` it
 fails the test instead, so a CI run can't pass by skipping.
