@@ -109,11 +109,19 @@ class PulseWorkerNode(CeleryTestWorker):
         self.container.teardown()
 
 
+#: Packages whose module-level references to an app are not the app's home.
+_NOT_HOMES = ("celery", "kombu", "billiard", "pytest_celery", "_pytest", "pytest", "celery_pulse")
+
+
 def find_app_ref(app: Celery) -> str | None:
-    """``module:attribute`` of a module-level app, so a worker can import the real thing."""
+    """``module:attribute`` of a module-level app of the user's, so a worker imports the real thing.
+
+    None for an app made on the fly (pytest-celery's setup app): the worker rebuilds it.
+    """
     candidates = sorted(sys.modules.items(), key=lambda item: not item[0].startswith(app.main or "~"))
     for name, module in candidates:
-        if not isinstance(module, types.ModuleType) or name == "__main__":
+        if (not isinstance(module, types.ModuleType) or name == "__main__"
+                or name.split(".")[0] in _NOT_HOMES):
             continue
         for attr, value in list(vars(module).items()):
             if value is app:
@@ -130,6 +138,8 @@ def picklable_config(app: Celery, *, strict: bool) -> dict[str, Any]:
     """
     config: dict[str, Any] = {}
     for key, value in app.conf.table(with_defaults=False, censored=False).items():
+        if key == "deprecated_settings":  # Celery's own bookkeeping, not a setting
+            continue
         try:
             pickle.dumps(value)
         except Exception as exc:
