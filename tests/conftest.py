@@ -93,18 +93,28 @@ def queue_name() -> str:
 
 
 @pytest.fixture
-def make_env(tmp_path: Path, queue_name: str) -> Callable[..., Env]:
+def make_env(tmp_path: Path, queue_name: str) -> Iterator[Callable[..., Env]]:
+    """``factory(store_url, broker_url, conf)`` -> an Env on the test's queue.
+
+    At teardown (after the test's workers are killed: ``workers`` depends on this
+    fixture) the test's queue is deleted from the shared broker it used.
+    """
+    brokers: set[str] = set()
+
     def factory(store_url: str, broker_url: str, conf: dict[str, Any] | None = None,
                 migrate: bool = True) -> Env:
         env = Env(store_url, broker_url, queue_name, tmp_path, conf)
+        brokers.add(broker_url)
         if migrate:
             _migrated(store_url).close()
         return env
-    return factory
+    yield factory
+    for broker_url in brokers:
+        services.tidy_queue(broker_url, queue_name)
 
 
 @pytest.fixture
-def workers() -> Iterator[Callable[..., Worker]]:
+def workers(make_env: Callable[..., Env]) -> Iterator[Callable[..., Worker]]:
     """Start real worker processes; every one is SIGKILLed at teardown."""
     started: list[Worker] = []
 

@@ -78,11 +78,13 @@ def delete_amqp_entities(url: str, queues: list[str], exchanges: list[str]) -> N
     """Delete ``queues`` and ``exchanges`` on the broker at ``url`` (missing ones are fine)."""
     from kombu.connection import Connection
 
-    with Connection(url, connect_timeout=5) as conn:
+    with Connection(url, connect_timeout=5, transport_options={"max_retries": 1}) as conn:
+        conn.ensure_connection(max_retries=1)  # a broker that is down fails fast, never hangs
+        channel = conn.channel()
         for name in queues:
-            conn.default_channel.queue_delete(name)
+            channel.queue_delete(name)
         for name in exchanges:
-            conn.default_channel.exchange_delete(name)
+            channel.exchange_delete(name)
 
 
 def rabbitmq_names(kind: str, contains: str) -> list[str]:
