@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from pytest_celery.vendors.worker.tasks import add
 
 from celery_pulse.contrib.pytest_celery import PulseTestSetup, PulseWorkerNode
@@ -54,6 +55,16 @@ def test_expire_lease_makes_the_running_task_see_lease_lost(
     assert len(journal(path, task_id, "start")) == 1 and not journal(path, task_id, "end")
 
 
+@pytest.fixture
+def pulse_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite, or PostgreSQL for a test parametrized ``indirect`` with ``"postgres"``."""
+    if getattr(request, "param", "sqlite") == "postgres":
+        url: str = request.getfixturevalue("pulse_postgres_store_url")
+        return url
+    return f"sqlite:///{tmp_path / 'pulse.sqlite3'}"
+
+
+@pytest.mark.parametrize("pulse_store_url", ["sqlite", "postgres"], indirect=True)
 def test_store_outage_self_fences_then_the_worker_takes_work_again(
         celery_setup: PulseTestSetup, celery_worker: PulseWorkerNode,
         files: tuple[Path, Path]) -> None:
