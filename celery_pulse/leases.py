@@ -168,12 +168,8 @@ class LeaseKeeper:
             thread.start()
             self._threads.append(thread)
 
-    def stop(self, *, release: bool = True, pool_drained: bool = False) -> None:
-        """Flush queued completions, release reservations never started, stop threads.
-
-        ``pool_drained``: the pool has stopped after running every job a process accepted
-        (warm shutdown), so a job no process ever accepted never ran either.
-        """
+    def stop(self, *, release: bool = True) -> None:
+        """Flush queued completions, release reservations never started, stop threads."""
         self._starts.put(None)
         self._ops.put(None)
         for thread in self._threads[:2]:
@@ -181,7 +177,7 @@ class LeaseKeeper:
         self._stop.set()
         for thread in self._threads[2:]:
             thread.join(timeout=self.interval + 5)
-        unstarted = self._never_ran(pool_drained)
+        unstarted = self._never_ran()
         if unstarted and release:
             try:
                 released = self.store.release(self.holder, [c.key for c in unstarted],
@@ -191,16 +187,18 @@ class LeaseKeeper:
                 logger.warning("pulse: could not release reservations (they expire in "
                                "at most %gs): %s", self.ttl, exc)
 
-    def _never_ran(self, pool_drained: bool = False) -> list[LocalClaim]:
+    def _never_ran(self) -> list[LocalClaim]:
         """Reservations, and starts whose job never reached the pool: none of them ran.
 
-        With ``pool_drained``, also jobs handed to the pool that no process accepted (a
-        pool process acknowledges a job before it runs it).
+        A job handed to the pool is never among them, even one no process was seen to
+        accept: at a warm shutdown the loop that reads the children's acknowledgements
+        and results has stopped, so "not seen" is not "not run" (a CI run caught a job
+        released as never run that had run, and then ran again). Its lease expires and
+        Recover decides by the task's policy.
         """
         with self._lock:
             return [c for c in self.claims.values() if c.state == RESERVED
-                    or (c.state == RUNNING and (not c.in_pool
-                                                or (pool_drained and c.pid is None)))]
+                    or (c.state == RUNNING and not c.in_pool)]
 
     def release_unstarted(self, why: str) -> int:
         """The pool forgot every job no process accepted yet (a broker reconnect).

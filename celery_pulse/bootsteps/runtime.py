@@ -214,7 +214,7 @@ class PulseWorker:
         if self._intake is not None:
             self._intake.claim_ended(task_id)
 
-    def shutdown(self, pool_drained: bool = False) -> None:
+    def shutdown(self) -> None:
         """Called after in-flight tasks have finished (pool stopped): flush and deregister."""
         if self._shut:
             return
@@ -225,7 +225,7 @@ class PulseWorker:
         if self.elector is not None:
             self.elector.stop()  # releases: the next leader ticks within one interval
         self.recoverer.stop()
-        self.keeper.stop(pool_drained=pool_drained)
+        self.keeper.stop()
         if self.membership is not None:
             self.membership.stop(deregister=True)
 

@@ -219,12 +219,12 @@ class TaskPool(prefork.TaskPool):
     # -- shutdown ----------------------------------------------------------------------------
     def on_stop(self) -> None:
         super().on_stop()  # waits for in-flight tasks (warm shutdown); leases keep renewing
-        self._shutdown_pulse(pool_drained=True)
+        self._shutdown_pulse()
 
     def on_terminate(self) -> None:
         super().on_terminate()
         self._shutdown_pulse()
 
-    def _shutdown_pulse(self, pool_drained: bool = False) -> None:
+    def _shutdown_pulse(self) -> None:
         if self.pulse is not None:
-            self.pulse.shutdown(pool_drained=pool_drained)
+            self.pulse.shutdown()

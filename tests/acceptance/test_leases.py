@@ -599,6 +599,12 @@ def test_warm_shutdown_under_load_runs_or_releases_every_task(
                        for t in ids)
         wait_for(settled, 90, "every task to be settled by the second worker")
     rows = store_db.rows()
-    assert [t for t in ids if rows[t].state != "succeeded"] == []
-    ran = [events(p) for p in outs]
-    assert all(e == [["start"], ["end"]] for e in ran), [e for e in ran if e != [["start"], ["end"]]]
+    ran = {t: events(p) for t, p in zip(ids, outs, strict=True)}
+    # Every task started exactly once: never twice, and none left unrun. A job that
+    # never reached a pool process was given back and run by the second worker; only
+    # a job that was in the pool when the first worker stopped (its end unseen by the
+    # parent, so it may have run) may wait in review, having run once.
+    assert {t: e for t, e in ran.items() if e.count(["start"]) != 1} == {}
+    assert [t for t in ids if rows[t].state not in ("succeeded", "needs_review")] == []
+    reviewed = [t for t in ids if rows[t].state == "needs_review"]
+    assert len(reviewed) <= 2, reviewed  # at most one job per pool process (-c 2)
