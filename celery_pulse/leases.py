@@ -5,12 +5,11 @@ completions and hears back through a :class:`LeaseListener`.
 
 Rules:
 
-* Every store call happens on threads owned here: the *committer* (reservations
-  and completions, batched: whatever queued up while the previous batch was in
-  flight goes in the next statement), the *starter* (starts, batched the same way,
-  on their own so a waiting pool process never queues behind a reservation batch)
-  and the *renewer* (one statement per interval for every lease held). None depends
-  on the broker.
+* Every store call happens on threads owned here: the *committer* (completions,
+  reservations and starts, batched: whatever queued up while the previous exchange
+  was in flight goes in the next one, all kinds in one round trip where the store
+  pipelines them) and the *renewer* (one statement per interval for every lease
+  held). None depends on the broker.
 * A lease's local deadline is ``sent_at(last successful grant or renewal) + ttl -
   margin`` on the monotonic clock. Past it the lease is lost even if the store
   cannot be reached: it ends here before the store could grant it to anyone else.
@@ -155,13 +154,12 @@ class LeaseKeeper:
         self.counters = Counters()
         self._lock = threading.RLock()
         self._ops: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
-        self._starts: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
-        for name, target in (("pulse-commit", self._commit_loop), ("pulse-start", self._start_loop),
+        for name, target in (("pulse-commit", self._commit_loop),
                              ("pulse-renew", self._renew_loop),
                              ("pulse-watchdog", self._watchdog_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -170,12 +168,11 @@ class LeaseKeeper:
 
     def stop(self, *, release: bool = True) -> None:
         """Flush queued completions, release reservations never started, stop threads."""
-        self._starts.put(None)
         self._ops.put(None)
-        for thread in self._threads[:2]:
-            thread.join(timeout=30)
+        for thread in self._threads[:1]:
+            thread.join(timeout=self.ttl + 30)
         self._stop.set()
-        for thread in self._threads[2:]:
+        for thread in self._threads[1:]:
             thread.join(timeout=self.interval + 5)
         unstarted = self._never_ran()
         if unstarted and release:
@@ -235,8 +232,10 @@ class LeaseKeeper:
             start_in_background: bool = False, publication: str | None = None,
             message: Any = None) -> LocalClaim:
         claim = LocalClaim(grant.task_id, grant.epoch, grant.token,
-                           sent_at + self.ttl - self.margin, retries, scheduled=scheduled,
-                           counted=not scheduled, start_in_background=start_in_background,
+                           sent_at + self.ttl - self.margin, retries,
+                           state=RUNNING if grant.started else RESERVED, scheduled=scheduled,
+                           counted=not (scheduled or grant.started),
+                           start_in_background=start_in_background,
                            publication=publication, message=message)
         with self._lock:
             old = self.claims.get(claim.task_id)
@@ -303,12 +302,12 @@ class LeaseKeeper:
     def submit_start(self, claim: LocalClaim, callback: StartCallback | None) -> None:
         """Queue the start of a reserved claim (its job is about to go to the pool).
 
-        Starts have their own thread and connection: a pool process waits for each
-        one, so it must not queue behind a batch of reservations. ``callback(result)``
-        runs on that thread: True (running: hand the job over), False (refused or lost
-        meanwhile: never run it) or the store error.
+        It goes out in the next exchange, without waiting for company (a pool process
+        waits for it). ``callback(result)`` runs on the commit thread: True (running:
+        hand the job over), False (refused or lost meanwhile: never run it) or the
+        store error.
         """
-        self._starts.put(("start", claim, callback))
+        self._ops.put(("start", claim, callback))
 
     def start_in_background(self, claim: LocalClaim) -> bool:
         """Count the claim as running now and record its start in the store later.
@@ -321,7 +320,7 @@ class LeaseKeeper:
                 return False
             self._uncount(claim)
             claim.state = RUNNING
-        self._starts.put(("start", claim, None))
+        self._ops.put(("start", claim, None))
         return True
 
     def submit_complete(self, claim: LocalClaim, outcome: str, error: str | None,
@@ -336,114 +335,113 @@ class LeaseKeeper:
         return self.store.reserve(self.holder, requests, self.ttl), sent
 
     def _commit_loop(self) -> None:
-        """Reservations go out at once (a delivery waits for each); completions wait up
-        to COMPLETION_DELAY for company, since nothing waits for them."""
+        """The hot path, on one thread: whatever queued up while the previous exchange
+        was in flight goes in the next one, completions, reservations and starts together
+        (one round trip where the store pipelines them).
+
+        Reservations and starts go out at once (a delivery or a pool process waits for
+        each); completions wait up to COMPLETION_DELAY for company, since nothing waits
+        for them, unless something else is going out anyway. A completion the store
+        could not take is kept and sent again (with backoff) for as long as it takes
+        while running, for at most one lease TTL at shutdown: without it Recover would
+        re-run or review a task that did finish.
+        """
         closing = False
+        give_up = 0.0
         pending: list[tuple[str, Any, Any]] = []
         flush_at = 0.0
-        while not closing:
+        delay = 0.2
+        while True:
             timeout = max(0.0, flush_at - time.monotonic()) if pending else None
-            try:
-                batch = [self._ops.get(timeout=timeout)]
-            except queue.Empty:
-                batch = []
-            while len(batch) < 500:
-                try:
-                    batch.append(self._ops.get_nowait())
-                except queue.Empty:
-                    break
-            closing = any(op is None for op in batch)
+            batch = self._take(timeout)
+            if None in batch and not closing:
+                closing = True
+                give_up = self.monotonic() + self.ttl
             ops = [op for op in batch if op is not None]
             reserves = [op for op in ops if op[0] == "reserve"]
+            starts = [op for op in ops if op[0] == "start"]
             completes = [op for op in ops if op[0] == "complete"]
+            now = time.monotonic()
             if completes and not pending:
-                flush_at = time.monotonic() + COMPLETION_DELAY
+                flush_at = now + COMPLETION_DELAY
             pending += completes
-            # A retry goes out first: its new delivery may be among these reservations.
-            if pending and (closing or len(pending) >= COMPLETION_BATCH
-                            or time.monotonic() >= flush_at
-                            or any(op[1].outcome == RETRY for op in completes)):
-                self._commit_completions(pending, closing)
-                pending = []
-            if reserves:
-                self._commit_reserves(reserves)
+            # A retry goes out at once: its new delivery may be about to be reserved.
+            flush = bool(pending) and (closing or bool(reserves) or bool(starts)
+                                       or len(pending) >= COMPLETION_BATCH or now >= flush_at
+                                       or any(op[1].outcome == RETRY for op in completes))
+            if not (reserves or starts or flush):
+                if closing:
+                    return
+                continue
+            failed = self._exchange(pending if flush else [], reserves, starts)
+            if failed is None:
+                pending, delay = ([] if flush else pending), 0.2
+            elif closing and self.monotonic() > give_up:
+                logger.error("pulse: could not record %d completion(s) before exit: %s",
+                             len(pending), failed)
+                self._answer_completions(pending, dict.fromkeys(
+                    (op[1].task_id for op in pending), failed))
+                return
+            else:
+                logger.warning("pulse: recording %d completion(s) failed, retrying: %s",
+                               len(pending), failed)
+                flush_at = time.monotonic() + delay
+                delay = min(delay * 2, 2.0)
+            if closing and not pending:
+                return
 
-    def _start_loop(self) -> None:
-        closing = False
-        while not closing:
-            batch = [self._starts.get()]
-            while True:
-                try:
-                    batch.append(self._starts.get_nowait())
-                except queue.Empty:
-                    break
-            closing = any(op is None for op in batch)
-            ops = [op for op in batch if op is not None]
-            if ops:
-                self._commit_starts(ops)
-
-    def _guarded(self, what: str, n: int, call: Callable[[], list[Any]]) -> list[Any]:
-        """``call()``'s result per op, or each op's failure: never kill a store thread."""
+    def _take(self, timeout: float | None) -> list[tuple[str, Any, Any] | None]:
+        """The next op (waiting up to ``timeout``) and every op queued behind it."""
         try:
-            return call()
-        except PulseError as exc:
-            self.counters.store_errors += 1
-            return [exc] * n
-        except Exception as exc:
-            logger.exception("pulse: %s batch failed", what)
-            return [StoreUnavailable(f"{what} failed: {exc!r}")] * n
+            batch = [self._ops.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while len(batch) < 500:
+            try:
+                batch.append(self._ops.get_nowait())
+            except queue.Empty:
+                break
+        return batch
 
-    def _commit_starts(self, ops: list[tuple[str, Any, Any]]) -> list[bool | PulseError]:
+    def _exchange(self, completes: list[tuple[str, Any, Any]],
+                  reserves: list[tuple[str, Any, Any]],
+                  starts: list[tuple[str, Any, Any]]) -> PulseError | None:
+        """One exchange with the store; answers every reservation and start, and the
+        completions if it worked. Returns the failure (completions then still pending)."""
         sent = self.monotonic()
-        claims = [op[1] for op in ops]
+        claims = [op[1] for op in starts]
+        try:
+            done = self.store.exchange(self.holder, self.ttl, [op[1] for op in completes],
+                                       [op[1] for op in reserves], [c.key for c in claims])
+        except Exception as exc:
+            failure = exc if isinstance(exc, PulseError) else StoreUnavailable(
+                f"exchange failed: {exc!r}")
+            if not isinstance(exc, PulseError):
+                logger.exception("pulse: store exchange failed")
+            self.counters.store_errors += 1
+            self._answer(reserves, [failure] * len(reserves), sent)
+            self._answer(starts, [failure] * len(starts))
+            return failure
+        if completes:
+            self._answer_completions(completes, done.completed)
+        self._answer(reserves, done.reserved, sent)
+        self._answer(starts, [c.task_id in done.started and (
+            c.start_in_background or self.mark_running(c, sent)) for c in claims])
+        return None
 
-        def start() -> list[Any]:
-            started = self.store.start_many(self.holder, [c.key for c in claims], self.ttl)
-            return [c.task_id in started and (c.start_in_background
-                                              or self.mark_running(c, sent))
-                    for c in claims]
-        results: list[bool | PulseError] = self._guarded("start", len(ops), start)
+    @staticmethod
+    def _answer(ops: list[tuple[str, Any, Any]], results: Sequence[Any],
+                *extra: Any) -> None:
         for op, result in zip(ops, results, strict=True):
             if op[2] is None:
                 continue
             try:
-                op[2](result)
+                op[2](result, *extra)
             except Exception:
-                logger.exception("pulse: start callback failed")
-        return results
+                logger.exception("pulse: %s callback failed", op[0])
 
-    def _commit_reserves(self, ops: list[tuple[str, Any, Any]]) -> None:
-        sent = self.monotonic()
-        results = self._guarded("reservation", len(ops), lambda: list(self.store.reserve(
-            self.holder, [op[1] for op in ops], self.ttl)))
-        for op, result in zip(ops, results, strict=True):
-            try:
-                op[2](result, sent)
-            except Exception:
-                logger.exception("pulse: reservation callback failed")
-
-    def _commit_completions(self, ops: list[tuple[str, Any, Any]], closing: bool) -> None:
-        completions = [op[1] for op in ops]
-        delay = 0.2
-        give_up = self.monotonic() + self.ttl if closing else None
-        while True:
-            try:
-                outcomes: dict[str, Any] = self.store.complete(self.holder, completions)
-                break
-            except StoreUnavailable as exc:
-                # A completion is worth waiting for: without it Recover would re-run or
-                # review a task that did finish. While running, wait as long as it takes
-                # (reservations would fail anyway); at shutdown, at most one lease TTL.
-                self.counters.store_errors += 1
-                if give_up is not None and self.monotonic() > give_up:
-                    logger.error("pulse: could not record %d completion(s) before exit: %s",
-                                 len(completions), exc)
-                    outcomes = dict.fromkeys((c.task_id for c in completions), exc)
-                    break
-                logger.warning("pulse: recording %d completion(s) failed, retrying: %s",
-                               len(completions), exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+    def _answer_completions(self, ops: list[tuple[str, Any, Any]],
+                            outcomes: dict[str, Any]) -> None:
         for op in ops:
             result = outcomes.get(op[1].task_id)
             if result == "applied":
@@ -452,8 +450,7 @@ class LeaseKeeper:
                 self.counters.stale_completions += 1
                 logger.warning("pulse: late outcome %r for task %s epoch %d kept as evidence only",
                                op[1].outcome, op[1].task_id, op[1].epoch)
-            if op[2] is not None:
-                op[2](result)
+        self._answer(ops, [outcomes.get(op[1].task_id) for op in ops])
 
     # -- renewal ----------------------------------------------------------------
     def _renew_loop(self) -> None:

@@ -124,6 +124,9 @@ class Intake:
         self.keeper = pulse.keeper
         self.loop: LoopCaller = pulse.loop
         self.pending = 0
+        #: Reservations in flight that asked to be granted as running (a free process).
+        self.folding = 0
+        self._semaphore: Any = None
         #: Task ids whose reservation is in flight -> deliveries of the same id that
         #: arrived meanwhile (decided once it settles).
         self.inflight: dict[str, list[tuple[Any, ...]]] = {}
@@ -141,6 +144,10 @@ class Intake:
         settings = self.pulse.settings
         policy = policy_for(task, settings.on_lost)
         max_attempts = int(getattr(task, "pulse_max_attempts", None) or settings.max_attempts)
+        # A rate-limited task may wait in Celery's token bucket after it is granted:
+        # its start is never folded into the reservation.
+        may_fold = not (getattr(task, "rate_limit", None)
+                        and not getattr(self.consumer, "disable_rate_limits", False))
 
         def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                     admitted: bool = False, **kwargs: Any) -> None:
@@ -181,8 +188,10 @@ class Intake:
                 # and stop consuming until there is room again.
                 self.paused_at_limit = True
                 self.pulse.gate.close(PREFETCH_LIMIT)
+            start = may_fold and not headers.get("eta") and self._free_process()
             request = ReserveRequest(task_id, task.name, capture(message), policy,
-                                     max_attempts, retries, publication)
+                                     max_attempts, retries, publication, start)
+            self.folding += start
             self.pending += 1
             self.inflight[task_id] = []
 
@@ -283,6 +292,24 @@ class Intake:
             self.inflight[task_id] = []
         return dropped
 
+    def _free_process(self) -> bool:
+        """Whether a pool process is free for one more job once its grant is back.
+
+        Then the reservation is granted as running at once (the start folded into it):
+        Celery's strategy hands the request to the pool within the same loop turn as
+        the grant, through the worker's semaphore (one permit per pool process). Only
+        with the event loop; a job that would wait is reserved and started later.
+        """
+        if self.loop.hub is None:
+            return False
+        if self._semaphore is None:
+            controller = getattr(self.consumer, "controller", None)
+            self._semaphore = getattr(controller, "semaphore", None) or False
+        if self._semaphore is False:
+            return False
+        free: int = self._semaphore.value - len(self._semaphore._waiting)
+        return free > self.folding
+
     def _over_prefetch_limit(self, headers: Any) -> bool:
         """True when reserving one more would exceed ``prefetch multiplier x concurrency``.
 
@@ -330,6 +357,7 @@ class Intake:
                 handler: Callable[..., Any]) -> None:
         """On the loop thread: act on the reservation's outcome."""
         self.pending -= 1
+        self.folding -= request.start
         same_id = self.inflight.pop(request.task_id, [])
         try:
             if isinstance(result, Grant):

@@ -29,7 +29,7 @@ from celery.worker import state as worker_state
 
 from celery_pulse.bootsteps.intake import bound_claim
 from celery_pulse.errors import LeaseLost, PulseError
-from celery_pulse.leases import LOST, LocalClaim
+from celery_pulse.leases import LOST, RUNNING, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
 
@@ -68,6 +68,10 @@ class TaskPool(prefork.TaskPool):
             # Celery's synchronous loop (no hub) hands jobs over whether or not a process
             # is free, so here the child itself authorises the start before the body.
             return self._started(claim, job, True, start_in_child=True)
+        if claim.state == RUNNING and not claim.in_pool:
+            # Granted as running: its start was folded into the reservation, made when a
+            # pool process was free for it.
+            return self._started(claim, job, True)
         if claim.start_in_background and pulse.keeper.start_in_background(claim):
             return self._started(claim, job, True)
         # Celery calls us only with a pool process free for the job (its semaphore), so

@@ -163,6 +163,9 @@ class ReserveRequest:
     #: redelivery of the same publication is a duplicate, a new publication of the same
     #: task id is a new run once the previous one has ended.
     publication: str | None = None
+    #: Grant it as ``running`` at once: its job goes straight to a free pool process,
+    #: so the start is folded into the reservation (one statement instead of two).
+    start: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,10 +177,13 @@ class Grant:
     token: str
     lease_until: float
     attempts: int
+    #: Granted as ``running`` (the request asked to ``start``).
+    started: bool = False
 
     def __repr__(self) -> str:
         return (f"Grant(task_id={self.task_id!r}, epoch={self.epoch}, "
-                f"token={mask_token(self.token)!r}, attempts={self.attempts})")
+                f"token={mask_token(self.token)!r}, attempts={self.attempts}, "
+                f"started={self.started})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -230,8 +236,36 @@ class ClaimInfo:
     error: str | None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Exchanged:
+    """What one :meth:`ClaimStore.exchange` did: one answer per operation passed in."""
+
+    #: ``task_id -> applied|duplicate|evidence``, as :meth:`ClaimStore.complete`.
+    completed: dict[str, str]
+    #: One grant or refusal per reservation, in order, as :meth:`ClaimStore.reserve`.
+    reserved: list[Grant | Refusal]
+    #: ``task_id -> new lease_until`` of the starts that moved, as
+    #: :meth:`ClaimStore.start_many`.
+    started: dict[str, float]
+
+
 class ClaimStore(abc.ABC):
     """What per-task leases need from persistent storage."""
+
+    def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                 reserves: Sequence[ReserveRequest],
+                 starts: Sequence[tuple[str, int, str]]) -> Exchanged:
+        """A worker's hot path in one call: completions, then reservations, then starts.
+
+        The same answers as :meth:`complete`, :meth:`reserve` and :meth:`start_many`
+        called in that order (a retry's completion re-opens the claim before its next
+        delivery is reserved). A store may send them in one round trip and one
+        transaction; if it raises, none of them is known to have taken effect (a
+        completion sent again is answered ``duplicate``).
+        """
+        return Exchanged(self.complete(holder, completions) if completions else {},
+                         self.reserve(holder, reserves, ttl) if reserves else [],
+                         self.start_many(holder, starts, ttl) if starts else {})
 
     @abc.abstractmethod
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
@@ -249,6 +283,9 @@ class ClaimStore(abc.ABC):
         previous run has ended. Otherwise it is refused: ``terminal`` for finished or
         needs-review claims, ``exhausted`` when ``attempts >= max_attempts`` (the claim
         becomes ``failed``), ``taken`` else.
+
+        A request with ``start`` is granted as ``running`` (``started_at`` set), as if
+        :meth:`start_many` had followed in the same statement.
         """
 
     @abc.abstractmethod

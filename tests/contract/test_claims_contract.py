@@ -324,6 +324,44 @@ def test_start_only_from_a_live_reservation_with_the_right_credential(sql_store:
     assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL) is None  # already running
 
 
+def test_a_reservation_with_start_is_granted_running_in_one_statement(
+        sql_store: SqlStore) -> None:
+    folded, plain = request(policy="review"), request(policy="review")
+    first, second = sql_store.reserve(W1, [dataclasses.replace(folded, start=True), plain], TTL)
+    assert isinstance(first, Grant) and first.started
+    assert isinstance(second, Grant) and not second.started
+    info = claim(sql_store, folded.task_id)
+    assert info.state == RUNNING and info.started_at is not None
+    assert claim(sql_store, plain.task_id).state == RESERVED
+    # Already running: a start of it is refused, a renewal and a completion are not.
+    assert sql_store.start(W1, folded.task_id, first.epoch, first.token, TTL) is None
+    assert sql_store.renew(W1, [key(first)], TTL)[0] == {folded.task_id}
+    assert complete(sql_store, W1, first) == "applied"
+    assert claim(sql_store, folded.task_id).state == SUCCEEDED
+
+
+def test_a_started_grant_over_an_expired_reservation_is_running_again(
+        sql_store: SqlStore) -> None:
+    req = request(policy="review")
+    old = grant(sql_store, W1, req, ttl=0.3)
+    wait_until(lambda: expired(sql_store, req.task_id), what="the reservation to expire")
+    (new,) = sql_store.reserve(W2, [dataclasses.replace(req, start=True)], TTL)
+    assert isinstance(new, Grant) and new.started and new.epoch == old.epoch + 1
+    assert claim(sql_store, req.task_id).state == RUNNING
+    # A running review claim is never granted again, even once expired: Recover reviews it.
+    assert refusal(sql_store, W1, req).reason == "taken"
+
+
+def test_a_folded_start_that_never_reached_a_pool_process_is_released(
+        sql_store: SqlStore) -> None:
+    (g,) = sql_store.reserve(W1, [dataclasses.replace(request(), start=True)], TTL)
+    assert isinstance(g, Grant) and g.started
+    assert sql_store.release(W1, [key(g)]) == 0  # running: only as never run
+    assert sql_store.release(W1, [key(g)], never_ran=True) == 1
+    info = claim(sql_store, g.task_id)
+    assert info.state == RESERVED and info.started_at is None and expired(sql_store, g.task_id)
+
+
 def test_start_refused_once_the_reservation_expired(sql_store: SqlStore) -> None:
     req = request()
     g = grant(sql_store, W1, req, ttl=0.3)

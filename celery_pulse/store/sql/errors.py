@@ -15,22 +15,36 @@ _UNWRITABLE_MARKERS = ("read-only", "readonly", "read only", "disk full", "diskf
                        "no space left", "database or disk is full", "readonlysqltransaction")
 
 
+def translate(orig: BaseException, where: str, lost_connection: bool) -> Exception | None:
+    """The pulse error for a driver error ``orig``; None: re-raise it as it is (a bug).
+
+    ``lost_connection``: the driver says the connection failed (SQLAlchemy's
+    ``OperationalError``/``InterfaceError`` or an invalidated connection, or the same
+    classes of psycopg used directly on the hot path).
+    """
+    text = f"{type(orig).__name__} {orig}".lower()
+    if (any(marker in text for marker in _MISSING_MARKERS) and "relation" in text) or (
+            "no such table" in text):
+        return SchemaMissing()
+    first_line = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    if "syntax error" in text or "no such column" in text:
+        return None  # SQLite reports these as OperationalError: a bug, not an outage
+    if lost_connection or any(m in text for m in _UNWRITABLE_MARKERS):
+        return StoreUnavailable(f"store unavailable during {where}: {first_line}")
+    return None
+
+
 @contextmanager
 def translated(where: str) -> Iterator[None]:
     """Re-raise connection failures as StoreUnavailable, missing tables as SchemaMissing."""
     try:
         yield
     except sa_exc.DBAPIError as exc:
-        text = f"{type(exc.orig).__name__} {exc.orig}".lower()
-        if (any(marker in text for marker in _MISSING_MARKERS) and "relation" in text) or (
-                "no such table" in text):
-            raise SchemaMissing() from exc
-        first_line = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
-        if "syntax error" in text or "no such column" in text:
-            raise  # SQLite reports these as OperationalError: a bug, not an outage
-        if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or (
-                exc.connection_invalidated) or any(m in text for m in _UNWRITABLE_MARKERS):
-            raise StoreUnavailable(f"store unavailable during {where}: {first_line}") from exc
-        raise
+        lost = isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or bool(
+            exc.connection_invalidated)
+        error = translate(exc.orig or exc, where, lost)
+        if error is None:
+            raise
+        raise error from exc
     except sa_exc.TimeoutError as exc:  # connection pool exhausted / connect timeout
         raise StoreUnavailable(f"store unavailable during {where}: {exc}") from exc

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -37,6 +37,7 @@ from celery_pulse.store.base import (
     TERMINAL_STATES,
     ClaimInfo,
     Completion,
+    Exchanged,
     Grant,
     Heartbeat,
     LeaderGrant,
@@ -67,6 +68,9 @@ from celery_pulse.store.sql.tables import (
     schedule,
     workers,
 )
+
+if TYPE_CHECKING:
+    from celery_pulse.store.sql.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +109,11 @@ class SqlStore(Store):
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._reserve_sql_cache: dict[int, str] = {}
         self._sql_cache: dict[tuple[str, int], str] = {}
+        self._pipeline: Pipeline | None = None
+        if self.dialect.is_postgres:
+            from celery_pulse.store.sql.pipeline import Pipeline
+
+            self._pipeline = Pipeline(engine)
 
     def _single(self) -> Any:
         """A connection for independent statements, each atomic on its own.
@@ -131,6 +140,8 @@ class SqlStore(Store):
         return mask_url(self.engine.url.render_as_string(hide_password=False))
 
     def close(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
         self.engine.dispose()
 
     # -- housekeeping ---------------------------------------------------------
@@ -230,7 +241,7 @@ class SqlStore(Store):
 
     _RESERVE_COLUMNS = ("task_id", "task_name", "max_attempts", "policy", "retries", "body",
                         "headers", "properties", "delivery_info", "content_type",
-                        "content_encoding", "publication")
+                        "content_encoding", "publication", "state")
 
     def _reserve_sql(self, rows: int) -> str:
         """One multi-row ``INSERT .. ON CONFLICT DO UPDATE .. RETURNING`` for ``rows`` tasks.
@@ -243,8 +254,8 @@ class SqlStore(Store):
             return cached
         pg = self.dialect.is_postgres
         mark = "%s" if pg else "?"
-        casts = ("", "", "::integer", "", "::integer", "::bytea", "", "", "", "", "", "") if pg \
-            else ("",) * 12
+        casts = ("", "", "::integer", "", "::integer", "::bytea", "", "", "", "", "", "", "") \
+            if pg else ("",) * 13
         row = "(" + ", ".join(f"{mark}{cast}" for cast in casts) + ")"
         now = self.dialect._now
         token = self.dialect._token
@@ -259,12 +270,15 @@ class SqlStore(Store):
             f"INSERT INTO pulse_claims (task_id, task_name, state, holder, token, epoch, "
             f"lease_until, attempts, max_attempts, policy, retries, body, headers, properties, "
             f"delivery_info, content_type, content_encoding, publication, created_at, "
-            f"reserved_at) "
-            f"SELECT v.task_id, v.task_name, 'reserved', {mark}, {token}, 1, {now} + {mark}, 1, "
+            f"reserved_at, started_at) "
+            f"SELECT v.task_id, v.task_name, v.state, {mark}, {token}, 1, {now} + {mark}, 1, "
             f"v.max_attempts, v.policy, v.retries, v.body, v.headers, v.properties, "
-            f"v.delivery_info, v.content_type, v.content_encoding, v.publication, {now}, {now} "
+            f"v.delivery_info, v.content_type, v.content_encoding, v.publication, {now}, {now}, "
+            f"CASE WHEN v.state = '{RUNNING}' THEN {now} END "
             f"FROM v WHERE true "
-            f"ON CONFLICT (task_id) DO UPDATE SET state = 'reserved', holder = excluded.holder, "
+            # A request with ``start`` is granted as running (its start folded in here).
+            f"ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, "
+            f"holder = excluded.holder, "
             f"token = excluded.token, epoch = pulse_claims.epoch + 1, "
             f"lease_until = excluded.lease_until, "
             f"attempts = CASE WHEN {new_pub} THEN 1 ELSE pulse_claims.attempts + 1 END, "
@@ -274,7 +288,7 @@ class SqlStore(Store):
             f"content_type = excluded.content_type, "
             f"content_encoding = excluded.content_encoding, reserved_at = excluded.reserved_at, "
             f"publication = excluded.publication, "
-            f"started_at = NULL, finished_at = NULL, outcome = NULL, error = NULL "
+            f"started_at = excluded.started_at, finished_at = NULL, outcome = NULL, error = NULL "
             # A live lease is never granted again, not even to its own holder: one holder
             # must never hold two live grants of one task.
             f"WHERE (({new_pub} OR pulse_claims.attempts < pulse_claims.max_attempts) AND ("
@@ -283,7 +297,7 @@ class SqlStore(Store):
             f"OR (pulse_claims.state = 'running' AND pulse_claims.policy = 'redispatch' "
             f"AND {expired}))) "
             f"OR ({new_pub} AND pulse_claims.state IN ({restartable})) "
-            f"RETURNING task_id, epoch, token, lease_until, attempts")
+            f"RETURNING task_id, epoch, token, lease_until, attempts, state")
         self._reserve_sql_cache[rows] = sql
         return sql
 
@@ -304,20 +318,36 @@ class SqlStore(Store):
     def _reserve_round(self, conn: sa.Connection, holder: str, requests: list[ReserveRequest],
                        ttl: float) -> list[Grant | Refusal]:
         """One statement for requests of distinct task ids."""
+        rows = conn.exec_driver_sql(*self._reserve_statement(holder, requests, ttl))
+        return self._reserve_answers(conn, requests, rows)
+
+    def _reserve_statement(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
+                           ) -> tuple[str, tuple[Any, ...]]:
         params: list[Any] = []
         for r in requests:
             params += [r.task_id, r.task_name, r.max_attempts, r.policy, r.retries,
                        r.message.body, _dumps(r.message.headers),
                        _dumps(r.message.properties), _dumps(r.message.delivery_info),
-                       r.message.content_type, r.message.content_encoding, r.publication]
+                       r.message.content_type, r.message.content_encoding, r.publication,
+                       RUNNING if r.start else RESERVED]
         params += [holder, ttl]  # the CTE's rows come first in the statement
+        return self._reserve_sql(len(requests)), tuple(params)
+
+    def _reserve_answers(self, conn: sa.Connection | None, requests: Sequence[ReserveRequest],
+                         rows: Any) -> list[Grant | Refusal]:
+        """Grants from the statement's rows (task_id, epoch, token, lease_until, attempts,
+        state); the others are refused, and asked why on ``conn`` (None: a new one)."""
         results: dict[str, Grant | Refusal] = {}
-        for row in conn.exec_driver_sql(self._reserve_sql(len(requests)), tuple(params)):
-            results[row.task_id] = Grant(row.task_id, int(row.epoch), row.token,
-                                         float(row.lease_until), int(row.attempts))
+        for task_id, epoch, token, lease_until, attempts, state in rows:
+            results[task_id] = Grant(task_id, int(epoch), token, float(lease_until),
+                                     int(attempts), state == RUNNING)
         missing = [r for r in requests if r.task_id not in results]
         if missing:
-            results.update(self._refusals(conn, missing))
+            if conn is None:
+                with translated("reserve"), self._single() as own:
+                    results.update(self._refusals(own, missing))
+            else:
+                results.update(self._refusals(conn, missing))
         return [results[r.task_id] for r in requests]
 
     def _refusals(self, conn: sa.Connection, requests: list[ReserveRequest]
@@ -351,6 +381,39 @@ class SqlStore(Store):
                                      int(r.retries), r.publication)
         return out
 
+    def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                 reserves: Sequence[ReserveRequest],
+                 starts: Sequence[tuple[str, int, str]]) -> Exchanged:
+        """On PostgreSQL: the three statements in one pipeline (see :mod:`.pipeline`).
+
+        A task id twice in one kind, or a batch over the chunk size, takes the general
+        path (rare: the keeper's batches are of distinct, recent tasks).
+        """
+        ids = ([c.task_id for c in completions], [r.task_id for r in reserves],
+               [lease[0] for lease in starts])
+        if self._pipeline is None or not any(ids) or any(
+                len(kind) > _CHUNK or len(set(kind)) < len(kind) for kind in ids):
+            return super().exchange(holder, ttl, completions, reserves, starts)
+        statements = []
+        if completions:
+            statements.append(self._complete_statement(completions))
+        if reserves:
+            statements.append(self._reserve_statement(holder, reserves, ttl))
+        if starts:
+            statements.append(self._start_statement(holder, starts, ttl))
+        results = iter(self._pipeline.run("exchange", statements))
+        completed: dict[str, str] = {}
+        if completions:
+            applied = {row[0] for row in next(results)}
+            completed = dict.fromkeys(applied, "applied")
+            stale = [c for c in completions if c.task_id not in applied]
+            if stale:
+                with translated("complete"), self._single() as conn:
+                    completed.update(self._stale(conn, holder, stale, self._now))
+        reserved = self._reserve_answers(None, reserves, next(results)) if reserves else []
+        started = {row[0]: float(row[1]) for row in next(results)} if starts else {}
+        return Exchanged(completed, reserved, started)
+
     def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
                    ) -> dict[str, float]:
         # Plain SQL, built once per batch size: run by the worker's committer for every
@@ -358,15 +421,19 @@ class SqlStore(Store):
         started: dict[str, float] = {}
         unique = list(dict.fromkeys(tuple(lease) for lease in leases))
         for i in range(0, len(unique), _CHUNK):
-            chunk = unique[i:i + _CHUNK]
-            params: list[Any] = []
-            for lease in chunk:
-                params += lease
-            params += [ttl, holder]
+            chunk: list[Any] = unique[i:i + _CHUNK]
             with translated("start"), self._single() as conn:
-                for row in conn.exec_driver_sql(self._start_sql(len(chunk)), tuple(params)):
+                for row in conn.exec_driver_sql(*self._start_statement(holder, chunk, ttl)):
                     started[row[0]] = float(row[1])
         return started
+
+    def _start_statement(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+                         ) -> tuple[str, tuple[Any, ...]]:
+        params: list[Any] = []
+        for lease in leases:
+            params += lease
+        params += [ttl, holder]
+        return self._start_sql(len(leases)), tuple(params)
 
     def _start_sql(self, rows: int) -> str:
         now = self.dialect._now
@@ -433,12 +500,8 @@ class SqlStore(Store):
             for batch in _rounds(list(completions), lambda c: c.task_id):
                 for i in range(0, len(batch), _CHUNK):
                     chunk = batch[i:i + _CHUNK]
-                    params: list[Any] = []
-                    for c in chunk:
-                        params += [c.task_id, c.epoch, c.token, _OUTCOME_STATE[c.outcome],
-                                   c.outcome, c.error]
                     applied = {row[0] for row in conn.exec_driver_sql(
-                        self._complete_sql(len(chunk)), tuple(params))}
+                        *self._complete_statement(chunk))}
                     answers = dict.fromkeys(applied, "applied")
                     stale = [c for c in chunk if c.task_id not in applied]
                     if stale:
@@ -447,6 +510,13 @@ class SqlStore(Store):
                         if _RANK[answer] > _RANK.get(out.get(task_id, ""), -1):
                             out[task_id] = answer
         return out
+
+    def _complete_statement(self, chunk: Sequence[Completion]) -> tuple[str, tuple[Any, ...]]:
+        params: list[Any] = []
+        for c in chunk:
+            params += [c.task_id, c.epoch, c.token, _OUTCOME_STATE[c.outcome], c.outcome,
+                       c.error]
+        return self._complete_sql(len(chunk)), tuple(params)
 
     def _complete_sql(self, rows: int) -> str:
         """Outcomes of any mix of kinds in one statement. A retry reopens the claim for its

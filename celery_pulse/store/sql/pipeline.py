@@ -1,0 +1,75 @@
+"""The worker's hot path on PostgreSQL: one psycopg connection in pipeline mode.
+
+Completions, reservations and starts of one group commit go out together: one round
+trip, one ``Sync``, one implicit transaction (all or nothing), prepared statements, and
+no SQLAlchemy between the worker and the driver (its per-statement work cost more CPU
+than the statements themselves on short tasks). The rest of the store keeps SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+from celery_pulse.errors import StoreUnavailable
+from celery_pulse.store.sql.errors import translate
+
+
+class Pipeline:
+    """A dedicated connection (out of the engine's pool), used by one thread at a time."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self._raw: Any = None
+        self._conn: Any = None
+        self._lock = threading.Lock()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._raw is None:
+            raw = self.engine.raw_connection()  # the engine's connect arguments and events
+            conn: Any = raw.driver_connection
+            raw.detach()  # ours for good: it never goes back to the pool
+            conn.autocommit = True
+            self._raw, self._conn = raw, conn
+        driver: psycopg.Connection[Any] = self._conn
+        return driver
+
+    def run(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]
+            ) -> list[list[tuple[Any, ...]]]:
+        """Execute ``statements`` in one round trip; the rows each one returned."""
+        with self._lock:
+            try:
+                conn = self._connection()
+                cursors = []
+                with conn.pipeline():
+                    for sql, params in statements:
+                        cursor = conn.cursor()
+                        cursor.execute(sql, params, prepare=True)
+                        cursors.append(cursor)
+                return [cursor.fetchall() for cursor in cursors]
+            except psycopg.Error as exc:
+                self.close()
+                lost = isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+                error = translate(exc, where, lost)
+                if error is None:
+                    raise
+                raise error from exc
+            except sa.exc.DBAPIError as exc:  # connecting went through SQLAlchemy
+                self.close()
+                error = translate(exc.orig or exc, where, True)
+                if error is None:
+                    raise
+                raise error from exc
+            except sa.exc.TimeoutError as exc:
+                raise StoreUnavailable(f"store unavailable during {where}: {exc}") from exc
+
+    def close(self) -> None:
+        raw, self._raw, self._conn = self._raw, None, None
+        if raw is not None:
+            with contextlib.suppress(Exception):  # already broken: nothing left to close
+                raw.close()
