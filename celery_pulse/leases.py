@@ -78,6 +78,11 @@ class LocalClaim:
     publication: str | None = None
     #: The adapter asked for the job to be run (it may be waiting for its start).
     applied: bool = False
+    #: A start ahead of the pool is in flight; the job waiting for its answer, if any.
+    starting: bool = False
+    waiting_job: Any = None
+    #: When the job went to the pool (monotonic), for the mean run time.
+    handed_at: float = 0.0
     #: Opaque adapter data (the Celery request, the captured message, its verdict).
     request: Any = None
     message: Any = None

@@ -124,8 +124,6 @@ class Intake:
         self.keeper = pulse.keeper
         self.loop: LoopCaller = pulse.loop
         self.pending = 0
-        #: Reservations in flight that asked to be granted as running (a free process).
-        self.folding = 0
         self._semaphore: Any = None
         #: Task ids whose reservation is in flight -> deliveries of the same id that
         #: arrived meanwhile (decided once it settles).
@@ -188,16 +186,16 @@ class Intake:
                 # and stop consuming until there is room again.
                 self.paused_at_limit = True
                 self.pulse.gate.close(PREFETCH_LIMIT)
-            start = may_fold and not headers.get("eta") and self._free_process()
+            may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None)
+            start = may_wait and bool(self.pulse.ahead.fold(self._free_process()))
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries, publication, start)
-            self.folding += start
             self.pending += 1
             self.inflight[task_id] = []
 
             def on_result(result: Any, sent: float) -> None:
                 self.loop.call(self._settle, result, sent, request, message, body, callbacks,
-                               inner, handler)
+                               inner, handler, may_wait)
 
             if self.loop.hub is None:
                 self._reserve_blocking(request, on_result)
@@ -308,7 +306,7 @@ class Intake:
         if self._semaphore is False:
             return False
         free: int = self._semaphore.value - len(self._semaphore._waiting)
-        return free > self.folding
+        return free > self.pulse.ahead.folding
 
     def _over_prefetch_limit(self, headers: Any) -> bool:
         """True when reserving one more would exceed ``prefetch multiplier x concurrency``.
@@ -354,11 +352,11 @@ class Intake:
 
     def _settle(self, result: Any, sent: float, request: ReserveRequest, message: Any,
                 body: Any, callbacks: Any, inner: Callable[..., Any],
-                handler: Callable[..., Any]) -> None:
+                handler: Callable[..., Any], may_wait: bool = False) -> None:
         """On the loop thread: act on the reservation's outcome."""
         self.pending -= 1
-        self.folding -= request.start
         same_id = self.inflight.pop(request.task_id, [])
+        claim: LocalClaim | None = None
         try:
             if isinstance(result, Grant):
                 self._store_ok()
@@ -383,6 +381,8 @@ class Intake:
                 if self.loop.hub is not None:
                     self.loop.later(self._backoff, handler, message, body, None, None, callbacks)
         finally:
+            self.pulse.ahead.settled(claim, request.start, may_wait and claim is not None
+                                     and not claim.scheduled)
             for args in same_id:  # now decided against the settled reservation
                 self.loop.call(handler, *args)
             self.pulse.admit_waiting()

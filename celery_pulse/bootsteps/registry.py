@@ -82,6 +82,7 @@ class Registry(bootsteps.StartStopStep):
                 listener=_Listener(c, pulse.gate))
             pool = c.controller.pool
             pool.pulse = pulse
+            pulse.ahead.hand_over = pool.hand_over
             _keep_reservations_across_reconnects(c, pulse)
             pulse.membership.start()
             pulse.start_leases()

@@ -20,6 +20,7 @@ from celery import bootsteps
 from kombu.utils.imports import symbol_by_name
 
 from celery_pulse.beat import Beat
+from celery_pulse.bootsteps.ahead import StartAhead
 from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.intake import Intake
 from celery_pulse.bootsteps.loop import LoopCaller
@@ -90,6 +91,8 @@ class PulseWorker:
                                   interval=settings.renew_interval,
                                   margin=settings.safety_margin, grace=settings.revoke_grace,
                                   listener=self)
+        self.ahead = StartAhead(self.keeper, lambda: self.loop, concurrency,
+                                lambda *_args: None)
         child.configure(child.ChildContext(app, settings.store_url, hostname,
                                            settings.lease_ttl, self.table))
         self.elector: LeaderElector | None = None
@@ -195,6 +198,7 @@ class PulseWorker:
         task_id = claim.task_id
         self.keeper.submit_complete(claim, outcome, error,
                                     lambda _result: self.loop.call(self.claim_ended, task_id))
+        self.ahead.left(claim)
         self.admit_waiting()
 
     def requeue(self, claim: LocalClaim) -> None:
@@ -205,6 +209,7 @@ class PulseWorker:
         in between, Recover publishes it once the publish lease expires.
         """
         self.keeper.forget(claim)
+        self.ahead.left(claim)
         self.recoverer.requeue(claim.key)
         logger.info("pulse: task %s epoch %d requeued by Celery", claim.task_id, claim.epoch)
         self.claim_ended(claim.task_id)
@@ -219,6 +224,7 @@ class PulseWorker:
         if self._shut:
             return
         self._shut = True
+        logger.warning("DEBUG ahead: receipts %d folds %d ahead %d runtime %s", self.ahead.receipts, self.ahead.folds, self.ahead.started_ahead, self.ahead.runtime)
         self.stopping = True
         if self.beat is not None:
             self.beat.stop()

@@ -19,6 +19,7 @@ claim's attempt is stale: it ends nothing and writes nothing to the result backe
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -69,9 +70,12 @@ class TaskPool(prefork.TaskPool):
             # is free, so here the child itself authorises the start before the body.
             return self._started(claim, job, True, start_in_child=True)
         if claim.state == RUNNING and not claim.in_pool:
-            # Granted as running: its start was folded into the reservation, made when a
-            # pool process was free for it.
+            # Started already: folded into its reservation, or ahead of the pool
+            # (:mod:`celery_pulse.bootsteps.ahead`).
             return self._started(claim, job, True)
+        if claim.starting:
+            claim.waiting_job = job  # its start ahead answers (``hand_over``)
+            return None
         if claim.start_in_background and pulse.keeper.start_in_background(claim):
             return self._started(claim, job, True)
         # Celery calls us only with a pool process free for the job (its semaphore), so
@@ -112,10 +116,17 @@ class TaskPool(prefork.TaskPool):
             self._free_slot(claim)
             raise
         claim.in_pool = True
+        claim.handed_at = time.monotonic()
+        self.pulse.ahead.left(claim)
         if claim.request is not None and applied is not None:
             claim.request._apply_result = weakref.ref(applied)  # what Request.terminate uses
         self.pulse.admit_waiting()
         return applied
+
+    def hand_over(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
+                  result: bool | PulseError) -> Any:
+        """A start ahead of the pool answered while its job was waiting for it."""
+        return self._started(claim, job, result)
 
     def _retry_start(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]]) -> None:
         if claim.state == LOST or not self.pulse.keeper.is_live(claim):
@@ -170,6 +181,8 @@ class TaskPool(prefork.TaskPool):
     def _end(self, claim: LocalClaim, exc: Any, failed: bool) -> None:
         """End the claim by what the attempt did and what Celery decided (its verdict)."""
         request = claim.request
+        if claim.handed_at:
+            self.pulse.ahead.ran(time.monotonic() - claim.handed_at)
         if claim.state == LOST or isinstance(exc, LeaseLost):
             self._forget(claim)  # the store decides; nothing to record as ours
         elif claim.verdict == "requeue":
@@ -193,6 +206,7 @@ class TaskPool(prefork.TaskPool):
     def _forget(self, claim: LocalClaim) -> None:
         self._free_slot(claim)
         self.pulse.keeper.forget(claim)
+        self.pulse.ahead.left(claim)
         self.pulse.claim_ended(claim.task_id)
         self.pulse.admit_waiting()
 
