@@ -45,9 +45,11 @@ RESERVED, RUNNING, LOST = "reserved", "running", "lost"
 #: check only: the adapter binds each claim to its request, so a late request still
 #: finds its lost claim and is dropped however long it waited).
 LOST_MEMORY = 300.0
-#: Completions wait up to this long (seconds) or for this many to share a statement.
-COMPLETION_DELAY = 0.005
-COMPLETION_BATCH = 64
+#: What nothing waits for (completions, starts ahead of the pool, reservations of jobs
+#: that will wait for a process) lingers up to this long (seconds) for company, or until
+#: this many ops share an exchange.
+LINGER = 0.002
+BATCH = 64
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -158,7 +160,8 @@ class LeaseKeeper:
         self._unstarted = 0
         self.counters = Counters()
         self._lock = threading.RLock()
-        self._ops: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
+        #: (kind, item, callback, urgent): ``urgent`` when something waits for it.
+        self._ops: queue.Queue[tuple[str, Any, Any, bool] | None] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -300,19 +303,24 @@ class LeaseKeeper:
         return claim.state != LOST and self.monotonic() < claim.deadline
 
     # -- group commit -----------------------------------------------------------
-    def submit_reserve(self, request: ReserveRequest, callback: ReserveCallback) -> None:
-        """Queue a reservation; ``callback(result, sent_at)`` runs on the commit thread."""
-        self._ops.put(("reserve", request, callback))
+    def submit_reserve(self, request: ReserveRequest, callback: ReserveCallback,
+                       urgent: bool = True) -> None:
+        """Queue a reservation; ``callback(result, sent_at)`` runs on the commit thread.
 
-    def submit_start(self, claim: LocalClaim, callback: StartCallback | None) -> None:
-        """Queue the start of a reserved claim (its job is about to go to the pool).
-
-        It goes out in the next exchange, without waiting for company (a pool process
-        waits for it). ``callback(result)`` runs on the commit thread: True (running:
-        hand the job over), False (refused or lost meanwhile: never run it) or the
-        store error.
+        ``urgent``: a free pool process waits for it (else it may linger for company).
         """
-        self._ops.put(("start", claim, callback))
+        self._ops.put(("reserve", request, callback, urgent))
+
+    def submit_start(self, claim: LocalClaim, callback: StartCallback | None,
+                     urgent: bool = True) -> None:
+        """Queue the start of a reserved claim.
+
+        ``urgent``: its job is about to go to the pool and a process waits for it; a
+        start ahead of the pool may linger for company. ``callback(result)`` runs on the
+        commit thread: True (running: hand the job over), False (refused or lost
+        meanwhile: never run it) or the store error.
+        """
+        self._ops.put(("start", claim, callback, urgent))
 
     def start_in_background(self, claim: LocalClaim) -> bool:
         """Count the claim as running now and record its start in the store later.
@@ -325,14 +333,14 @@ class LeaseKeeper:
                 return False
             self._uncount(claim)
             claim.state = RUNNING
-        self._ops.put(("start", claim, None))
+        self._ops.put(("start", claim, None, False))
         return True
 
     def submit_complete(self, claim: LocalClaim, outcome: str, error: str | None,
                         callback: CompleteCallback | None = None) -> None:
         self.forget(claim)
         completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error)
-        self._ops.put(("complete", completion, callback))
+        self._ops.put(("complete", completion, callback, False))
 
     def reserve_now(self, requests: Sequence[ReserveRequest]) -> tuple[list[Grant | Refusal], float]:
         """Synchronous reservation (for event loops without a hub)."""
@@ -340,62 +348,71 @@ class LeaseKeeper:
         return self.store.reserve(self.holder, requests, self.ttl), sent
 
     def _commit_loop(self) -> None:
-        """The hot path, on one thread: whatever queued up while the previous exchange
-        was in flight goes in the next one, completions, reservations and starts together
-        (one round trip where the store pipelines them).
+        """The hot path, on one thread: completions, reservations and starts go to the
+        store together, in one exchange (one round trip where the store pipelines them).
 
-        Reservations and starts go out at once (a delivery or a pool process waits for
-        each); completions wait up to COMPLETION_DELAY for company, since nothing waits
-        for them, unless something else is going out anyway. A completion the store
-        could not take is kept and sent again (with backoff) for as long as it takes
-        while running, for at most one lease TTL at shutdown: without it Recover would
-        re-run or review a task that did finish.
+        An op something waits for (a free pool process: a reservation granted as
+        running, a start asked by the pool) goes out at once, with whatever else queued
+        up. The others (completions, starts ahead of the pool, reservations of jobs that
+        will wait for a process anyway) linger up to :data:`LINGER` for company, or until
+        :data:`BATCH` of them: under load, statements carry many rows, which is what
+        keeps the cost per task low. A completion the store could not take is kept and
+        sent again (with backoff) for as long as it takes while running, for at most one
+        lease TTL at shutdown: without it Recover would re-run or review a task that did
+        finish.
         """
         closing = False
         give_up = 0.0
-        pending: list[tuple[str, Any, Any]] = []
-        flush_at = 0.0
+        pending: dict[str, list[tuple[str, Any, Any, bool]]] = {
+            "complete": [], "reserve": [], "start": []}
+        due_at: float | None = None  # when what lingers goes out
         delay = 0.2
         while True:
-            timeout = max(0.0, flush_at - time.monotonic()) if pending else None
+            timeout = None if due_at is None else max(0.0, due_at - time.monotonic())
             batch = self._take(timeout)
             if None in batch and not closing:
                 closing = True
                 give_up = self.monotonic() + self.ttl
-            ops = [op for op in batch if op is not None]
-            reserves = [op for op in ops if op[0] == "reserve"]
-            starts = [op for op in ops if op[0] == "start"]
-            completes = [op for op in ops if op[0] == "complete"]
             now = time.monotonic()
-            if completes and not pending:
-                flush_at = now + COMPLETION_DELAY
-            pending += completes
-            # A retry goes out at once: its new delivery may be about to be reserved.
-            flush = bool(pending) and (closing or bool(reserves) or bool(starts)
-                                       or len(pending) >= COMPLETION_BATCH or now >= flush_at
-                                       or any(op[1].outcome == RETRY for op in completes))
-            if not (reserves or starts or flush):
+            urgent = closing
+            for op in batch:
+                if op is None:
+                    continue
+                pending[op[0]].append(op)
+                # A retry's completion re-opens the claim its next delivery needs.
+                urgent = urgent or op[3] or (op[0] == "complete" and op[1].outcome == RETRY)
+            count = sum(len(ops) for ops in pending.values())
+            if not count:
                 if closing:
                     return
+                due_at = None
                 continue
-            failed = self._exchange(pending if flush else [], reserves, starts)
+            if due_at is None:
+                due_at = now + LINGER
+            if not (urgent or count >= BATCH or now >= due_at):
+                continue
+            completes = pending["complete"]
+            failed = self._exchange(completes, pending["reserve"], pending["start"])
+            pending["reserve"], pending["start"] = [], []
             if failed is None:
-                pending, delay = ([] if flush else pending), 0.2
+                pending["complete"], delay, due_at = [], 0.2, None
             elif closing and self.monotonic() > give_up:
                 logger.error("pulse: could not record %d completion(s) before exit: %s",
-                             len(pending), failed)
-                self._answer_completions(pending, dict.fromkeys(
-                    (op[1].task_id for op in pending), failed))
+                             len(completes), failed)
+                self._answer_completions(completes, dict.fromkeys(
+                    (op[1].task_id for op in completes), failed))
                 return
-            else:
+            elif completes:
                 logger.warning("pulse: recording %d completion(s) failed, retrying: %s",
-                               len(pending), failed)
-                flush_at = time.monotonic() + delay
+                               len(completes), failed)
+                due_at = time.monotonic() + delay
                 delay = min(delay * 2, 2.0)
-            if closing and not pending:
+            else:
+                due_at = None
+            if closing and not pending["complete"]:
                 return
 
-    def _take(self, timeout: float | None) -> list[tuple[str, Any, Any] | None]:
+    def _take(self, timeout: float | None) -> list[tuple[str, Any, Any, bool] | None]:
         """The next op (waiting up to ``timeout``) and every op queued behind it."""
         try:
             batch = [self._ops.get(timeout=timeout)]
@@ -408,9 +425,9 @@ class LeaseKeeper:
                 break
         return batch
 
-    def _exchange(self, completes: list[tuple[str, Any, Any]],
-                  reserves: list[tuple[str, Any, Any]],
-                  starts: list[tuple[str, Any, Any]]) -> PulseError | None:
+    def _exchange(self, completes: list[tuple[str, Any, Any, bool]],
+                  reserves: list[tuple[str, Any, Any, bool]],
+                  starts: list[tuple[str, Any, Any, bool]]) -> PulseError | None:
         """One exchange with the store; answers every reservation and start, and the
         completions if it worked. Returns the failure (completions then still pending)."""
         sent = self.monotonic()
@@ -435,7 +452,7 @@ class LeaseKeeper:
         return None
 
     @staticmethod
-    def _answer(ops: list[tuple[str, Any, Any]], results: Sequence[Any],
+    def _answer(ops: list[tuple[str, Any, Any, bool]], results: Sequence[Any],
                 *extra: Any) -> None:
         for op, result in zip(ops, results, strict=True):
             if op[2] is None:
@@ -445,7 +462,7 @@ class LeaseKeeper:
             except Exception:
                 logger.exception("pulse: %s callback failed", op[0])
 
-    def _answer_completions(self, ops: list[tuple[str, Any, Any]],
+    def _answer_completions(self, ops: list[tuple[str, Any, Any, bool]],
                             outcomes: dict[str, Any]) -> None:
         for op in ops:
             result = outcomes.get(op[1].task_id)

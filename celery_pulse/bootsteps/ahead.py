@@ -111,7 +111,7 @@ class StartAhead:
             claim.starting = True
             budget -= 1
             self.started_ahead += 1
-            self.keeper.submit_start(claim, self._answer_to(claim))
+            self.keeper.submit_start(claim, self._answer_to(claim), urgent=False)
         if len(self.queued) > 4 * self.concurrency and not self.short:
             self.queued.clear()  # jobs got long: they start when their process is free
 

@@ -200,7 +200,8 @@ class Intake:
             if self.loop.hub is None:
                 self._reserve_blocking(request, on_result)
             else:
-                self.keeper.submit_reserve(request, on_result)
+                # Only a start folded in has a process waiting for it.
+                self.keeper.submit_reserve(request, on_result, urgent=start)
             return None
 
         return handler

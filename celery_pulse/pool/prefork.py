@@ -35,6 +35,7 @@ from celery_pulse.pool import child
 from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
 
 logger = logging.getLogger(__name__)
+DBG: dict = {}
 
 
 def _exception(retval: Any) -> BaseException | None:
@@ -69,6 +70,7 @@ class TaskPool(prefork.TaskPool):
             # Celery's synchronous loop (no hub) hands jobs over whether or not a process
             # is free, so here the child itself authorises the start before the body.
             return self._started(claim, job, True, start_in_child=True)
+        DBG[(claim.state, claim.starting, claim.start_in_background)] = DBG.get((claim.state, claim.starting, claim.start_in_background), 0) + 1
         if claim.state == RUNNING and not claim.in_pool:
             # Started already: folded into its reservation, or ahead of the pool
             # (:mod:`celery_pulse.bootsteps.ahead`).
