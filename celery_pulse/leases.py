@@ -69,7 +69,8 @@ class LocalClaim:
     lost_at: float | None = None
     lost_reason: str = ""
     hard_stopped: bool = False
-    #: Counted in ``LeaseKeeper.unstarted()`` (a reservation waiting for a pool slot).
+    #: Counted in ``LeaseKeeper.unstarted()`` (waiting for a pool process: reserved, or
+    #: started ahead of the pool).
     counted: bool = False
     #: The job went to the pool (it may run; before that, a started claim never ran).
     in_pool: bool = False
@@ -242,7 +243,7 @@ class LeaseKeeper:
         claim = LocalClaim(grant.task_id, grant.epoch, grant.token,
                            sent_at + self.ttl - self.margin, retries,
                            state=RUNNING if grant.started else RESERVED, scheduled=scheduled,
-                           counted=not (scheduled or grant.started),
+                           counted=not scheduled,
                            start_in_background=start_in_background,
                            publication=publication, message=message)
         with self._lock:
@@ -281,11 +282,16 @@ class LeaseKeeper:
         with self._lock:
             if claim.state != RESERVED:
                 return False
-            self._uncount(claim)
             claim.state = RUNNING
             if sent_at is not None:
                 claim.deadline = max(claim.deadline, sent_at + self.ttl - self.margin)
             return True
+
+    def handed(self, claim: LocalClaim) -> None:
+        """The claim's job went to the pool: it no longer waits for a process."""
+        with self._lock:
+            self._uncount(claim)
+            claim.in_pool = True
 
     def _uncount(self, claim: LocalClaim) -> None:
         if claim.counted:
@@ -293,7 +299,8 @@ class LeaseKeeper:
             self._unstarted -= 1
 
     def unstarted(self) -> int:
-        """Reservations waiting for a pool slot (prefetch accounting; ETA ones excluded).
+        """Claims waiting for a pool process (prefetch accounting; ETA ones excluded):
+        reservations, and starts folded into them or made ahead of the pool.
 
         A counter kept on every transition: this runs several times per task.
         """
@@ -331,7 +338,6 @@ class LeaseKeeper:
         with self._lock:
             if claim.state != RESERVED:
                 return False
-            self._uncount(claim)
             claim.state = RUNNING
         self._ops.put(("start", claim, None, False))
         return True

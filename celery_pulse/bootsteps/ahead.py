@@ -56,8 +56,6 @@ class StartAhead:
         #: Running mean of job run times (seconds); None until one job has run.
         self.runtime: float | None = None
         self.started_ahead = 0
-        self.folds = 0
-        self.receipts = 0
 
     @property
     def short(self) -> bool:
@@ -78,11 +76,10 @@ class StartAhead:
         return min(max(fit, self.concurrency), MAX_AHEAD) - len(self.ahead) - self.folding
 
     def fold(self, free_process: bool) -> bool:
-        """Whether a new delivery is reserved as running (its start folded in)."""
+        """Whether a new delivery is reserved as running (its start folded in): a free
+        process waits for it, or it is next in line and within the budget."""
         start = free_process or (not self.queued and self._budget() > 0)
         self.folding += start
-        self.folds += start
-        self.receipts += 1
         return start
 
     def settled(self, claim: LocalClaim | None, folded: bool, may_wait: bool) -> None:

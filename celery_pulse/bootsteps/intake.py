@@ -187,7 +187,8 @@ class Intake:
                 self.paused_at_limit = True
                 self.pulse.gate.close(PREFETCH_LIMIT)
             may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None)
-            start = may_wait and bool(self.pulse.ahead.fold(self._free_process()))
+            free = may_wait and self._free_process()
+            start = may_wait and bool(self.pulse.ahead.fold(free))
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries, publication, start)
             self.pending += 1
@@ -200,8 +201,8 @@ class Intake:
             if self.loop.hub is None:
                 self._reserve_blocking(request, on_result)
             else:
-                # Only a start folded in has a process waiting for it.
-                self.keeper.submit_reserve(request, on_result, urgent=start)
+                # Only a free process makes it urgent: else the job waits for one anyway.
+                self.keeper.submit_reserve(request, on_result, urgent=free)
             return None
 
         return handler

@@ -224,7 +224,6 @@ class PulseWorker:
         if self._shut:
             return
         self._shut = True
-        logger.warning("DEBUG ahead: receipts %d folds %d ahead %d runtime %s %s", self.ahead.receipts, self.ahead.folds, self.ahead.started_ahead, self.ahead.runtime, __import__("celery_pulse.pool.prefork").pool.prefork.DBG)
         self.stopping = True
         if self.beat is not None:
             self.beat.stop()

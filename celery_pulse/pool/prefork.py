@@ -35,7 +35,6 @@ from celery_pulse.pool import child
 from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
 
 logger = logging.getLogger(__name__)
-DBG: dict = {}
 
 
 def _exception(retval: Any) -> BaseException | None:
@@ -70,7 +69,6 @@ class TaskPool(prefork.TaskPool):
             # Celery's synchronous loop (no hub) hands jobs over whether or not a process
             # is free, so here the child itself authorises the start before the body.
             return self._started(claim, job, True, start_in_child=True)
-        DBG[(claim.state, claim.starting, claim.start_in_background)] = DBG.get((claim.state, claim.starting, claim.start_in_background), 0) + 1
         if claim.state == RUNNING and not claim.in_pool:
             # Started already: folded into its reservation, or ahead of the pool
             # (:mod:`celery_pulse.bootsteps.ahead`).
@@ -117,7 +115,7 @@ class TaskPool(prefork.TaskPool):
         except Exception:
             self._free_slot(claim)
             raise
-        claim.in_pool = True
+        self.pulse.keeper.handed(claim)
         claim.handed_at = time.monotonic()
         self.pulse.ahead.left(claim)
         if claim.request is not None and applied is not None:
