@@ -308,7 +308,7 @@ class Intake:
         if self._semaphore is False:
             return False
         free: int = self._semaphore.value - len(self._semaphore._waiting)
-        return free > self.pulse.ahead.folding
+        return bool(free > self.pulse.ahead.folding)
 
     def _over_prefetch_limit(self, headers: Any) -> bool:
         """True when reserving one more would exceed ``prefetch multiplier x concurrency``.
