@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_pulse.errors import PulseError, StoreUnavailable
@@ -159,6 +159,9 @@ class LeaseKeeper:
         #: the same task took: still hard-stopped when they ignore LeaseLost.
         self._displaced: dict[tuple[str, int, str], LocalClaim] = {}
         self._unstarted = 0
+        #: Grants answered to the adapter and not added yet: at shutdown, those the event
+        #: loop never took are released (they never ran, even those granted as running).
+        self._unsettled: dict[str, Grant] = {}
         self.counters = Counters()
         self._lock = threading.RLock()
         #: (kind, item, callback, urgent): ``urgent`` when something waits for it.
@@ -183,11 +186,12 @@ class LeaseKeeper:
         self._stop.set()
         for thread in self._threads[1:]:
             thread.join(timeout=self.interval + 5)
-        unstarted = self._never_ran()
+        unstarted = [c.key for c in self._never_ran()]
+        with self._lock:  # granted, but the loop had stopped before it could take them
+            unstarted += [(g.task_id, g.epoch, g.token) for g in self._unsettled.values()]
         if unstarted and release:
             try:
-                released = self.store.release(self.holder, [c.key for c in unstarted],
-                                              never_ran=True)
+                released = self.store.release(self.holder, unstarted, never_ran=True)
                 logger.info("pulse: released %d reservation(s) never started", released)
             except PulseError as exc:
                 logger.warning("pulse: could not release reservations (they expire in "
@@ -247,6 +251,8 @@ class LeaseKeeper:
                            start_in_background=start_in_background,
                            publication=publication, message=message)
         with self._lock:
+            if self._unsettled.get(grant.task_id) == grant:
+                del self._unsettled[grant.task_id]
             old = self.claims.get(claim.task_id)
             if old is not None:
                 self._uncount(old)
@@ -452,6 +458,8 @@ class LeaseKeeper:
             return failure
         if completes:
             self._answer_completions(completes, done.completed)
+        with self._lock:
+            self._unsettled.update((g.task_id, g) for g in done.reserved if isinstance(g, Grant))
         self._answer(reserves, done.reserved, sent)
         self._answer(starts, [c.task_id in done.started and (
             c.start_in_background or self.mark_running(c, sent)) for c in claims])
@@ -469,7 +477,7 @@ class LeaseKeeper:
                 logger.exception("pulse: %s callback failed", op[0])
 
     def _answer_completions(self, ops: list[tuple[str, Any, Any, bool]],
-                            outcomes: dict[str, Any]) -> None:
+                            outcomes: Mapping[str, Any]) -> None:
         for op in ops:
             result = outcomes.get(op[1].task_id)
             if result == "applied":

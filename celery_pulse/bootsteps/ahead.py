@@ -102,8 +102,9 @@ class StartAhead:
         budget = self._budget() if self.queued else 0
         while budget > 0 and self.queued:
             claim = self.queued.popleft()
-            if claim.state != RESERVED or claim.applied or claim.starting:
-                continue
+            if (claim.state != RESERVED or claim.applied or claim.starting
+                    or self.keeper.get(claim.task_id) is not claim):
+                continue  # gone to the pool, started, ended or lost meanwhile
             self.ahead.add(claim)
             claim.starting = True
             budget -= 1

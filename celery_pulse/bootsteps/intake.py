@@ -307,7 +307,7 @@ class Intake:
             self._semaphore = getattr(controller, "semaphore", None) or False
         if self._semaphore is False:
             return False
-        free: int = self._semaphore.value - len(self._semaphore._waiting)
+        free: int = self._semaphore.value - len(getattr(self._semaphore, "_waiting", ()))
         return bool(free > self.pulse.ahead.folding)
 
     def _over_prefetch_limit(self, headers: Any) -> bool:

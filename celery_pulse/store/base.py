@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from celery_pulse.errors import PulseError
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Registration:
@@ -238,15 +240,19 @@ class ClaimInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Exchanged:
-    """What one :meth:`ClaimStore.exchange` did: one answer per operation passed in."""
+    """What one :meth:`ClaimStore.exchange` did: one answer per operation passed in.
+
+    An answer the store could not give after the exchange took effect (a follow-up read
+    failed) is the store's error, for that operation alone.
+    """
 
     #: ``task_id -> applied|duplicate|evidence``, as :meth:`ClaimStore.complete`.
-    completed: dict[str, str]
+    completed: Mapping[str, str | PulseError]
     #: One grant or refusal per reservation, in order, as :meth:`ClaimStore.reserve`.
-    reserved: list[Grant | Refusal]
+    reserved: Sequence[Grant | Refusal | PulseError]
     #: ``task_id -> new lease_until`` of the starts that moved, as
     #: :meth:`ClaimStore.start_many`.
-    started: dict[str, float]
+    started: Mapping[str, float]
 
 
 class ClaimStore(abc.ABC):

@@ -348,7 +348,7 @@ def test_a_started_grant_over_an_expired_reservation_is_running_again(
     (new,) = sql_store.reserve(W2, [dataclasses.replace(req, start=True)], TTL)
     assert isinstance(new, Grant) and new.started and new.epoch == old.epoch + 1
     assert claim(sql_store, req.task_id).state == RUNNING
-    # A running review claim is never granted again, even once expired: Recover reviews it.
+    # A live running claim is never granted again, not even to its own holder.
     assert refusal(sql_store, W1, req).reason == "taken"
 
 
@@ -360,6 +360,42 @@ def test_a_folded_start_that_never_reached_a_pool_process_is_released(
     assert sql_store.release(W1, [key(g)], never_ran=True) == 1
     info = claim(sql_store, g.task_id)
     assert info.state == RESERVED and info.started_at is None and expired(sql_store, g.task_id)
+
+
+def test_an_exchange_answers_as_the_three_calls_in_order(sql_store: SqlStore) -> None:
+    """Completions first (a retry re-opens the claim its next delivery needs), then
+    reservations, then starts: one exchange, the same answers as the separate calls."""
+    retried, waiting, gone = (grant(sql_store, W1, request()) for _ in range(3))
+    fresh = request()
+    again = request(retried.task_id, retries=1)
+    sql_store.release(W1, [key(gone)])
+    grant(sql_store, W2, request(gone.task_id))  # taken over: this completion is stale
+    done = sql_store.exchange(
+        W1, TTL, [Completion(retried.task_id, retried.epoch, retried.token, RETRY),
+                  Completion(gone.task_id, gone.epoch, gone.token, SUCCEEDED)],
+        [again, dataclasses.replace(fresh, start=True)], [key(waiting)])
+    assert done.completed == {retried.task_id: "applied", gone.task_id: "evidence"}
+    regrant, folded = done.reserved
+    assert isinstance(regrant, Grant) and regrant.epoch == retried.epoch + 1
+    assert isinstance(folded, Grant) and folded.started
+    assert set(done.started) == {waiting.task_id}
+    assert [claim(sql_store, t).state for t in (retried.task_id, fresh.task_id,
+                                                  waiting.task_id)] == [RESERVED, RUNNING,
+                                                                        RUNNING]
+    assert len(evidence_rows(sql_store, gone.task_id)) == 1
+
+
+def test_an_exchange_with_a_task_twice_decides_each_copy_in_turn(sql_store: SqlStore) -> None:
+    req = request()
+    done = sql_store.exchange(W1, TTL, [], [req, req], [])
+    first, second = done.reserved
+    assert isinstance(first, Grant)
+    assert isinstance(second, Refusal) and second.reason == "taken"
+
+
+def test_an_empty_exchange_does_nothing(sql_store: SqlStore) -> None:
+    done = sql_store.exchange(W1, TTL, [], [], [])
+    assert (dict(done.completed), list(done.reserved), dict(done.started)) == ({}, [], {})
 
 
 def test_start_refused_once_the_reservation_expired(sql_store: SqlStore) -> None:

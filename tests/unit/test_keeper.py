@@ -3,13 +3,18 @@ what never ran. On the SQLite store (a file per test), no worker process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from celery_pulse.errors import StoreUnavailable
 from celery_pulse.leases import RUNNING, LeaseKeeper, LocalClaim
-from celery_pulse.store.base import Grant, Message, ReserveRequest
+from celery_pulse.store.base import Completion, Exchanged, Grant, Message, ReserveRequest
 from celery_pulse.store.sql import SqlStore, open_store
 
 TTL = 30.0
@@ -90,3 +95,113 @@ def test_warm_shutdown_never_releases_a_job_handed_to_the_pool(store: SqlStore) 
     keeper.stop()
     states = {c.task_id: c.state for c in store.list_claims()}
     assert states == {"a": RUNNING, "b": RUNNING, "c": "reserved"}
+
+
+class Spy:
+    """The store, with each exchange recorded and the first one held until released."""
+
+    def __init__(self, store: SqlStore, fail_first: bool = False) -> None:
+        self.store = store
+        self.calls: list[tuple[list[str], list[str], list[str]]] = []
+        self.go = threading.Event()
+        self.entered = threading.Event()
+        self.fail_first = fail_first
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                 reserves: Sequence[ReserveRequest],
+                 starts: Sequence[tuple[str, int, str]]) -> Exchanged:
+        self.calls.append(([c.task_id for c in completions], [r.task_id for r in reserves],
+                           [s[0] for s in starts]))
+        if len(self.calls) == 1:
+            self.entered.set()
+            assert self.go.wait(10)
+            if self.fail_first:
+                raise StoreUnavailable("the store went away")
+        return self.store.exchange(holder, ttl, completions, reserves, starts)
+
+
+def request(task_id: str) -> ReserveRequest:
+    message = Message(b"[[], {}, {}]", {"id": task_id}, {}, {}, "application/json", "utf-8")
+    return ReserveRequest(task_id, "t", message, "review", 10, 0, None)
+
+
+def wait(predicate: Callable[[], Any], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_what_queues_up_during_an_exchange_goes_out_together_in_the_next(
+        store: SqlStore) -> None:
+    """Completions, reservations and starts share one exchange (one round trip on
+    PostgreSQL), however few of each: the group commit."""
+    spy = Spy(store)
+    keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
+                         listener=Listener())
+    done = keeper.add(reserve(store, "done", "p"), keeper.monotonic(), 0, False)
+    waiting = keeper.add(reserve(store, "waiting", "p"), keeper.monotonic(), 0, False)
+    answers: dict[str, Any] = {}
+    keeper.start()
+    try:
+        keeper.submit_reserve(request("first"), lambda r, _sent: answers.update(first=r))
+        assert spy.entered.wait(10)  # the first exchange is in flight
+        keeper.submit_complete(done, "succeeded", None, lambda r: answers.update(done=r))
+        keeper.submit_start(waiting, lambda r: answers.update(waiting=r), urgent=False)
+        keeper.submit_reserve(request("next"), lambda r, _sent: answers.update(next=r),
+                              urgent=False)
+        spy.go.set()
+        wait(lambda: len(answers) == 4, "every answer")
+    finally:
+        spy.go.set()
+        keeper.stop()
+    assert spy.calls == [([], ["first"], []), (["done"], ["next"], ["waiting"])]
+    assert answers["done"] == "applied" and answers["waiting"] is True
+    assert isinstance(answers["first"], Grant) and isinstance(answers["next"], Grant)
+    assert waiting.state == RUNNING
+
+
+def test_a_failed_exchange_answers_its_reservations_and_keeps_its_completions(
+        store: SqlStore) -> None:
+    spy = Spy(store, fail_first=True)
+    keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
+                         listener=Listener())
+    done = keeper.add(reserve(store, "done", "p"), keeper.monotonic(), 0, False)
+    answers: dict[str, Any] = {}
+    keeper.start()
+    try:
+        keeper.submit_complete(done, "succeeded", None, lambda r: answers.update(done=r))
+        keeper.submit_reserve(request("new"), lambda r, _sent: answers.update(new=r))
+        assert spy.entered.wait(10)
+        spy.go.set()
+        wait(lambda: len(answers) == 2, "both answers")
+    finally:
+        spy.go.set()
+        keeper.stop()
+    # The reservation is answered with the outage at once (its delivery is retried); the
+    # completion is sent again until the store takes it.
+    assert isinstance(answers["new"], StoreUnavailable)
+    assert answers["done"] == "applied"
+    assert spy.calls[0] == (["done"], ["new"], []) and spy.calls[1][0] == ["done"]
+    assert {c.task_id: c.state for c in store.list_claims()}["done"] == "succeeded"
+
+
+def test_warm_shutdown_releases_grants_the_event_loop_never_took(store: SqlStore) -> None:
+    """A reservation answered after the consumer's loop stopped never ran, even one
+    granted as running (its start folded in): it is released, not left to expire into
+    review."""
+    keeper = LeaseKeeper(store, "w1", ttl=TTL, interval=1, margin=1, grace=2,
+                         listener=Listener())
+    answered: list[Any] = []
+    keeper.start()
+    keeper.submit_reserve(dataclasses.replace(request("late"), start=True),
+                          lambda result, _sent: answered.append(result))  # never added
+    wait(lambda: answered, "the grant")
+    assert isinstance(answered[0], Grant) and answered[0].started
+    keeper.stop()
+    (info,) = store.list_claims()
+    assert info.state == "reserved" and info.lease_remaining is not None
+    assert info.lease_remaining <= 0  # expired now: Recover re-publishes it at once

@@ -18,6 +18,7 @@ from celery_pulse.errors import (
     InvalidConfig,
     NotFound,
     NotRegistered,
+    PulseError,
     SchemaMissing,
     StoreUnavailable,
 )
@@ -93,6 +94,14 @@ def _rounds(items: list[Any], key: Any) -> list[list[Any]]:
             rounds.append([])
         rounds[n].append(item)
     return rounds
+
+
+def _grants(rows: Any) -> dict[str, Grant]:
+    """The reservation statement's rows (task_id, epoch, token, lease_until, attempts,
+    state) as grants."""
+    return {task_id: Grant(task_id, int(epoch), token, float(lease_until), int(attempts),
+                           state == RUNNING)
+            for task_id, epoch, token, lease_until, attempts, state in rows}
 
 
 def _dumps(value: Any) -> str:
@@ -335,12 +344,9 @@ class SqlStore(Store):
 
     def _reserve_answers(self, conn: sa.Connection | None, requests: Sequence[ReserveRequest],
                          rows: Any) -> list[Grant | Refusal]:
-        """Grants from the statement's rows (task_id, epoch, token, lease_until, attempts,
-        state); the others are refused, and asked why on ``conn`` (None: a new one)."""
-        results: dict[str, Grant | Refusal] = {}
-        for task_id, epoch, token, lease_until, attempts, state in rows:
-            results[task_id] = Grant(task_id, int(epoch), token, float(lease_until),
-                                     int(attempts), state == RUNNING)
+        """Grants from the statement's rows; the others are refused, and asked why on
+        ``conn`` (None: a new one)."""
+        results: dict[str, Grant | Refusal] = dict(_grants(rows))
         missing = [r for r in requests if r.task_id not in results]
         if missing:
             if conn is None:
@@ -402,15 +408,27 @@ class SqlStore(Store):
         if starts:
             statements.append(self._start_statement(holder, starts, ttl))
         results = iter(self._pipeline.run("exchange", statements))
-        completed: dict[str, str] = {}
+        # Committed: from here on a failure only leaves some answers unknown (each of
+        # them answered with the error), never the exchange undone.
+        completed: dict[str, str | PulseError] = {}
         if completions:
             applied = {row[0] for row in next(results)}
             completed = dict.fromkeys(applied, "applied")
             stale = [c for c in completions if c.task_id not in applied]
             if stale:
-                with translated("complete"), self._single() as conn:
-                    completed.update(self._stale(conn, holder, stale, self._now))
-        reserved = self._reserve_answers(None, reserves, next(results)) if reserves else []
+                try:
+                    with translated("complete"), self._single() as conn:
+                        completed.update(self._stale(conn, holder, stale, self._now))
+                except PulseError as exc:
+                    completed.update(dict.fromkeys((c.task_id for c in stale), exc))
+        reserved: Sequence[Grant | Refusal | PulseError] = []
+        if reserves:
+            rows = next(results)
+            try:
+                reserved = self._reserve_answers(None, reserves, rows)
+            except PulseError as exc:  # why some were refused could not be asked
+                granted = _grants(rows)
+                reserved = [granted.get(r.task_id, exc) for r in reserves]
         started = {row[0]: float(row[1]) for row in next(results)} if starts else {}
         return Exchanged(completed, reserved, started)
 

@@ -1,0 +1,122 @@
+"""Starts ahead of the pool: how many, in which order, and what a late answer does.
+
+The keeper is a stand-in that records the starts asked for (the store is not what is
+under test here: the exchange is, in ``test_keeper`` and the contract suite)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_pulse.bootsteps.ahead import MAX_AHEAD, WINDOW, StartAhead
+from celery_pulse.bootsteps.loop import LoopCaller
+from celery_pulse.leases import LOST, RESERVED, RUNNING, LocalClaim
+
+
+class Keeper:
+    def __init__(self) -> None:
+        self.claims: dict[str, LocalClaim] = {}
+        self.starts: list[tuple[LocalClaim, Any, bool]] = []
+
+    def get(self, task_id: str) -> LocalClaim | None:
+        return self.claims.get(task_id)
+
+    def submit_start(self, claim: LocalClaim, callback: Any, urgent: bool = True) -> None:
+        self.starts.append((claim, callback, urgent))
+
+    def claim(self, task_id: str) -> LocalClaim:
+        claim = self.claims[task_id] = LocalClaim(task_id, 1, "t" * 32, 1e12)
+        return claim
+
+
+def make(concurrency: int = 2, runtime: float | None = 0.001
+         ) -> tuple[StartAhead, Keeper, list[tuple[LocalClaim, Any, Any]]]:
+    keeper = Keeper()
+    handed: list[tuple[LocalClaim, Any, Any]] = []
+    ahead = StartAhead(keeper, lambda: LoopCaller(None), concurrency,  # type: ignore[arg-type]
+                       lambda claim, job, result: handed.append((claim, job, result)))
+    ahead.runtime = runtime
+    return ahead, keeper, handed
+
+
+def test_nothing_starts_ahead_before_a_job_ran_or_while_jobs_are_long() -> None:
+    for runtime in (None, WINDOW * 2):
+        ahead, keeper, _ = make(runtime=runtime)
+        assert not ahead.fold(False)
+        ahead.settled(keeper.claim("a"), False, True)
+        assert keeper.starts == [] and not ahead.queued
+
+
+def test_a_free_process_always_folds_the_start_into_the_reservation() -> None:
+    ahead, _, _ = make(runtime=None)
+    assert ahead.fold(True) and ahead.folding == 1
+    ahead.settled(None, True, False)  # refused: nothing held
+    assert ahead.folding == 0
+
+
+def test_as_many_start_ahead_as_the_processes_get_through_in_the_window() -> None:
+    ahead, keeper, _ = make(concurrency=2, runtime=WINDOW / 4)  # 4 jobs per process
+    claims = [keeper.claim(f"t{i}") for i in range(12)]
+    for claim in claims:
+        ahead.settled(claim, False, True)
+    assert [c for c, _cb, _u in keeper.starts] == claims[:8]  # in Celery's order
+    assert all(not urgent for _c, _cb, urgent in keeper.starts)  # they may linger
+    claims[0].in_pool = True
+    ahead.left(claims[0])  # went to the pool: room for the next in line
+    assert keeper.starts[-1][0] is claims[8]
+
+
+def test_the_budget_is_at_least_one_per_process_and_at_most_the_cap() -> None:
+    slow, keeper, _ = make(concurrency=3, runtime=WINDOW * 0.9)
+    for i in range(10):
+        slow.settled(keeper.claim(f"s{i}"), False, True)
+    assert len(keeper.starts) == 3
+    fast, keeper, _ = make(concurrency=2, runtime=1e-6)
+    for i in range(MAX_AHEAD + 10):
+        fast.settled(keeper.claim(f"f{i}"), False, True)
+    assert len(keeper.starts) == MAX_AHEAD
+
+
+def test_claims_that_ended_went_to_the_pool_or_were_lost_are_not_started() -> None:
+    ahead, keeper, _ = make(concurrency=1, runtime=WINDOW / 2)  # budget 2
+    ended, lost, applied, live = (keeper.claim(t) for t in ("ended", "lost", "applied", "live"))
+    ahead.queued.extend([ended, lost, applied, live])
+    del keeper.claims["ended"]
+    lost.state = LOST
+    applied.applied = True
+    ahead.pump()
+    assert [c for c, _cb, _u in keeper.starts] == [live]
+
+
+def test_a_job_waiting_for_its_start_ahead_is_handed_over_when_it_answers() -> None:
+    ahead, keeper, handed = make(concurrency=1)
+    claim = keeper.claim("a")
+    ahead.settled(claim, False, True)
+    (_c, callback, _u), = keeper.starts
+    assert claim.starting
+    claim.waiting_job = job = object()  # the pool asked for it meanwhile
+    callback(True)
+    assert handed == [(claim, job, True)] and not claim.starting
+
+
+def test_a_refused_start_ahead_gives_its_place_back() -> None:
+    ahead, keeper, handed = make(concurrency=1, runtime=WINDOW / 1.5)  # budget 1
+    first, second = keeper.claim("a"), keeper.claim("b")
+    ahead.settled(first, False, True)
+    ahead.settled(second, False, True)
+    assert [c for c, _cb, _u in keeper.starts] == [first]
+    keeper.starts[0][1](False)  # refused: it starts (or is dropped) when its process frees
+    assert handed == [] and first.state == RESERVED
+    assert [c for c, _cb, _u in keeper.starts] == [first, second]
+
+
+def test_a_folded_grant_waiting_for_a_process_holds_a_place() -> None:
+    ahead, keeper, _ = make(concurrency=1, runtime=WINDOW / 1.5)  # budget 1
+    folded = keeper.claim("folded")
+    folded.state = RUNNING
+    assert ahead.fold(False)
+    ahead.settled(folded, True, True)  # every process was taken meanwhile
+    ahead.settled(keeper.claim("next"), False, True)
+    assert keeper.starts == []  # the place is the folded one's
+    folded.in_pool = True
+    ahead.left(folded)
+    assert [c.task_id for c, _cb, _u in keeper.starts] == ["next"]
