@@ -208,21 +208,13 @@ def app_env(broker: str, queue: str, store: str | None = None,
     return env
 
 
-class Worker:
-    """One ``celery -A benchmarks.apps worker`` in its own process group."""
+class Process:
+    """One process we started, in its own process group (always killed in the end)."""
 
-    def __init__(self, scratch: Scratch, name: str, *, pool: str, concurrency: int, broker: str,
-                 queue: str, store: str | None = None, conf: dict[str, Any] | None = None,
-                 loglevel: str = "warning", extra: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(self, scratch: Scratch, name: str, argv: list[str],
+                 environ: dict[str, str]) -> None:
         self.name = name
-        self.ready_file = scratch.path(f"ready-{name}")
         self.log_path = scratch.path(f"worker-{name}").with_suffix(".log")
-        argv = [sys.executable, "-m", "celery", "-A", "benchmarks.apps", "worker", "-P", pool,
-                "-c", str(concurrency), "-n", f"{name}@bench", "-Q", queue, "-l", loglevel,
-                "--without-mingle", "--without-gossip", "--without-heartbeat", *extra]
-        environ = app_env(broker, queue, store, conf, BENCH_READY_FILE=str(self.ready_file),
-                          **(env or {}))
         self.started = time.time()
         self.proc = spawn(argv, environ, self.log_path, scratch.dir)
 
@@ -235,22 +227,6 @@ class Worker:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-
-    def ready_at(self) -> float | None:
-        try:
-            text = self.ready_file.read_text().split()
-        except OSError:
-            return None
-        return float(text[-1]) if len(text) >= 3 else None
-
-    def wait_ready(self, timeout: float = 60) -> float:
-        def ready() -> float | None:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker {self.name} exited ({self.proc.returncode}) before "
-                                   f"ready:\n{self.log()[-3000:]}")
-            return self.ready_at()
-        value: float = wait_for(ready, timeout, f"worker {self.name} to be ready", 0.01)
-        return value
 
     def pids(self) -> list[int]:
         return group_pids(self.proc.pid)
@@ -283,10 +259,43 @@ class Worker:
         reap(self.proc)
 
 
+class Worker(Process):
+    """One ``celery -A benchmarks.apps worker``."""
+
+    def __init__(self, scratch: Scratch, name: str, *, pool: str, concurrency: int, broker: str,
+                 queue: str, store: str | None = None, conf: dict[str, Any] | None = None,
+                 loglevel: str = "warning", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.ready_file = scratch.path(f"ready-{name}")
+        argv = [sys.executable, "-m", "celery", "-A", "benchmarks.apps", "worker", "-P", pool,
+                "-c", str(concurrency), "-n", f"{name}@bench", "-Q", queue, "-l", loglevel,
+                "--without-mingle", "--without-gossip", "--without-heartbeat", *extra]
+        environ = app_env(broker, queue, store, conf, BENCH_READY_FILE=str(self.ready_file),
+                          **(env or {}))
+        super().__init__(scratch, name, argv, environ)
+
+    def ready_at(self) -> float | None:
+        try:
+            text = self.ready_file.read_text().split()
+        except OSError:
+            return None
+        return float(text[-1]) if len(text) >= 3 else None
+
+    def wait_ready(self, timeout: float = 60) -> float:
+        def ready() -> float | None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited ({self.proc.returncode}) before "
+                                   f"ready:\n{self.log()[-3000:]}")
+            return self.ready_at()
+        value: float = wait_for(ready, timeout, f"worker {self.name} to be ready", 0.01)
+        return value
+
+
+
 @contextlib.contextmanager
-def workers() -> Iterator[list[Worker]]:
-    """A list the caller appends workers to; every one is killed on the way out."""
-    started: list[Worker] = []
+def workers() -> Iterator[list[Any]]:
+    """A list the caller appends processes to; every one is killed on the way out."""
+    started: list[Any] = []
     try:
         yield started
     finally:
@@ -400,6 +409,18 @@ def client_app(broker: str, queue: str) -> Any:
     app = Celery("bench-client", broker=broker, set_as_current=False)
     app.conf.task_default_queue = queue
     return app
+
+
+def pulse_counts(broker: str, queue: str, worker: str) -> dict[str, int]:
+    """The ``pulse`` counters of a running worker (``celery inspect stats``)."""
+    app = client_app(broker, queue)
+    try:
+        replies = app.control.inspect(destination=[worker], timeout=5).stats() or {}
+    finally:
+        app.close()
+    if worker not in replies:
+        raise RuntimeError(f"worker {worker} did not answer inspect stats")
+    return dict(replies[worker]["pulse"]["counts"])
 
 
 def kombu_queue(name: str) -> Any:

@@ -4,7 +4,8 @@ One pulse worker (RabbitMQ, PostgreSQL store, ``-c 2``) works through a long que
 no-op tasks while ``py-spy record --subprocesses --idle`` samples every thread for a
 few seconds. Each sample of the consumer loop (the parent's main thread) is put in
 one category by the frames on its stack; pool children are split into "waiting for
-a job", "start UPDATE" and the rest; the commit thread into reserve / complete / idle.
+a job" and the rest; the commit thread into the exchange's round trip, its Python
+side and idle.
 Sampling slows the worker down, so only shares are reported, not a rate.
 """
 
@@ -45,7 +46,6 @@ def categorise(raw: Path) -> dict[str, Any]:
     loop: collections.Counter[str] = collections.Counter()
     children: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     commit: collections.Counter[str] = collections.Counter()
-    starts: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack:
@@ -71,18 +71,11 @@ def categorise(raw: Path) -> dict[str, Any]:
                     break
             else:
                 loop["other"] += n
-        elif any("_start_loop" in f for f in frames):
-            if any("SqlStore.start_many" in f for f in frames):
-                starts["start (batched UPDATE)"] += n
-            elif "wait" in frames[-1].lower():
-                starts["idle"] += n
-            else:
-                starts["other"] += n
         elif any("_commit_loop" in f for f in frames):
-            if any("SqlStore.reserve" in f for f in frames):
-                commit["reserve (group commit)"] += n
-            elif any("SqlStore.complete" in f for f in frames):
-                commit["complete (group commit)"] += n
+            if any("Pipeline.run" in f for f in frames):
+                commit["exchange: pipelined round trip (psycopg)"] += n
+            elif any("exchange" in f for f in frames):
+                commit["exchange: statements and answers (Python)"] += n
             elif "wait" in frames[-1].lower():
                 commit["idle"] += n
             else:
@@ -96,7 +89,7 @@ def categorise(raw: Path) -> dict[str, Any]:
     for counter in children.values():
         merged.update(counter)
     return {"consumer_loop": shares(loop), "children": shares(merged),
-            "commit_thread": shares(commit), "start_thread": shares(starts),
+            "commit_thread": shares(commit),
             "children_count": len(children)}
 
 

@@ -1,8 +1,10 @@
-"""SQL cost, counted by the server: statements (and so round trips) per task and at idle.
+"""SQL cost, counted by the server: statements and round trips per task and at idle.
 
 A private PostgreSQL with ``pg_stat_statements`` preloaded serves as the store of one
 ``-P pulse`` worker (RabbitMQ, ``-c 2``). Every statement the worker sends is one
-call there, BEGIN/COMMIT included (``track_utility``), so calls = round trips.
+call there, BEGIN/COMMIT included (``track_utility``). Round trips: the hot path's
+statements (reserve, start, complete) travel together in pipelined exchanges, counted
+by the worker (``exchanges`` in its stats); every other statement is one round trip.
 Three windows, each after a stats reset:
 
 * idle: the worker holds nothing (heartbeat, recover scans, leader, beat);
@@ -138,6 +140,7 @@ def measure(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
 
             infra.log(f"sql cost: {n} no-op tasks")
             stop_file = scratch.path("stop")
+            counts0 = infra.pulse_counts(broker, queue, "sqlcost@bench")
             t0 = stats.reset()
             infra.publish(broker, queue, [("bench.noop", [])] * n
                           + [("bench.stop", [str(stop_file)])])
@@ -149,6 +152,7 @@ def measure(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
             infra.wait_for(settled, max(60.0, n / 10), "every claim to be final", 0.05)
             load_rows = stats.read()
             load_s = time.monotonic() - t0
+            counts1 = infra.pulse_counts(broker, queue, "sqlcost@bench")
             time.sleep(1.5)  # backends flush table statistics at most once a second
             with stats.engine.connect() as conn:
                 table = conn.execute(sa.text(
@@ -180,6 +184,11 @@ def measure(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     total_idle = sum(idle_rate.values())
     per_task = {k: v["calls"] / n for k, v in load.items()}
     task_kinds = ("reserve", "start", "complete")
+    # The hot path's statements travel in exchanges (one round trip each, pipelined);
+    # every other statement is a round trip of its own.
+    exchanges = counts1["exchanges"] - counts0["exchanges"]
+    ops = counts1["exchanged_ops"] - counts0["exchanged_ops"]
+    round_trips = exchanges + sum(v["calls"] for k, v in load.items() if k not in task_kinds)
     def top(rows: list[dict[str, Any]], seconds: float | None = None) -> list[dict[str, Any]]:
         ordered = sorted(rows, key=lambda r: -r["calls"])[:12]
         return [{"kind": r["kind"], "calls": r["calls"], "rows": r["rows"],
@@ -190,9 +199,12 @@ def measure(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
         "idle_seconds": idle_s, "load_seconds": load_s, "held_seconds": held_s,
         "idle_per_second": idle_rate, "idle_total_per_second": total_idle,
         "per_task": per_task,
-        "per_task_total": sum(per_task.values()),
+        "statements_per_task_total": sum(per_task.values()),
+        "per_task_total": round_trips / n,
+        "exchanges_per_task": exchanges / n,
+        "ops_per_exchange": ops / exchanges if exchanges else None,
         "per_task_lifecycle": sum(per_task[k] for k in task_kinds),
-        "per_task_net_of_idle": max(0.0, sum(per_task.values()) - total_idle * load_s / n),
+        "per_task_net_of_idle": max(0.0, round_trips / n - total_idle * load_s / n),
         "rows_per_call": {k: (load[k]["rows"] / load[k]["calls"] if load[k]["calls"] else None)
                           for k in task_kinds},
         "exec_ms_per_call": {k: (load[k]["ms"] / load[k]["calls"] if load[k]["calls"] else None)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import statistics
+import sys
 import time
 import uuid
 from typing import Any
@@ -24,6 +25,10 @@ from benchmarks import infra
 CONCURRENCY = 2
 X = "\u00d7"  # multiplication sign
 VARIANTS = ("prefork", "pulse-postgres", "pulse-sqlite")
+#: Peers that keep state in PostgreSQL too, measured beside plain prefork in the same
+#: repeats (full runs, RabbitMQ, default acks only): prefork with Celery's own SQLAlchemy
+#: result backend, and procrastinate (a PostgreSQL job queue, ``-c 2``).
+PEERS = ("prefork-sqla", "procrastinate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,13 @@ def workloads(quick: bool) -> list[Workload]:
 LATE = [Workload("noop-late-2000", "2,000 no-op, acks_late", "bench.noop_late", (), 2000),
         Workload("sleep-late-1000", f"1,000 {X} 10 ms, acks_late", "bench.sleep_late", (10,),
                  1000)]
+
+
+def variants(broker: str, workload: Workload, quick: bool) -> tuple[str, ...]:
+    """What runs for one (broker, workload): the peers only where they compare fairly."""
+    if quick or broker != "rabbitmq" or workload in LATE or workload.n > 2000:
+        return VARIANTS
+    return VARIANTS + PEERS
 
 
 def plan(quick: bool) -> list[tuple[str, Workload, int]]:
@@ -122,22 +134,29 @@ def _cpu_split(worker: infra.Worker) -> tuple[dict[int, float], dict[int, float]
 def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str,
             workload: Workload) -> dict[str, Any]:
     """One measured run; returns its figures."""
+    if variant == "procrastinate":
+        return run_procrastinate(scratch, database_url, workload)
     broker_url = infra.BROKERS[broker]
     queue = f"bench-tp-{uuid.uuid4().hex[:10]}"
     stop_file = scratch.path("stop")
-    pool = "prefork" if variant == "prefork" else "pulse"
+    pool = "pulse" if variant.startswith("pulse") else "prefork"
     store_kind = variant.split("-", 1)[1] if pool == "pulse" else None
-    backends = PgBackends(database_url) if store_kind == "postgres" else None
+    backends = PgBackends(database_url) if store_kind == "postgres" or variant == \
+        "prefork-sqla" else None
     with contextlib.ExitStack() as stack:
         store = (stack.enter_context(infra.fresh_store(store_kind, scratch, database_url))
                  if store_kind else None)
+        conf = None
+        if variant == "prefork-sqla":  # Celery's own SQLAlchemy result backend
+            conf = {"result_backend": "db+" + stack.enter_context(
+                infra.fresh_pg_schema(database_url))}
         infra.declare_queue(broker_url, queue)
         stack.callback(infra.delete_queue, broker_url, queue)
         infra.publish(broker_url, queue, [(workload.task, list(workload.args))] * workload.n
                       + [("bench.stop", [str(stop_file)])])
         started = stack.enter_context(infra.workers())
         worker = infra.Worker(scratch, f"tp-{variant}", pool=pool, concurrency=CONCURRENCY,
-                              broker=broker_url, queue=queue, store=store)
+                              broker=broker_url, queue=queue, store=store, conf=conf)
         started.append(worker)
         ready = worker.wait_ready(timeout=60)
         parent0, children0 = _cpu_split(worker)
@@ -177,12 +196,70 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
     }
 
 
+def run_procrastinate(scratch: infra.Scratch, database_url: str, workload: Workload
+                      ) -> dict[str, Any]:
+    """The same workload on procrastinate: jobs deferred first, then one worker started.
+
+    Rate = N / (stop - begin): ``bench.begin`` is the first job, ``bench.stop`` the last
+    (procrastinate takes jobs of one priority in id order). CPU: the worker process (its
+    threads run the sync tasks) and the PostgreSQL backends.
+    """
+    import procrastinate
+
+    begin_file, stop_file = scratch.path("begin"), scratch.path("stop")
+    backends = PgBackends(database_url)
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(infra.fresh_pg_schema(database_url))
+        dsn = url.replace("postgresql+psycopg://", "postgresql://", 1)
+        client = procrastinate.App(connector=procrastinate.SyncPsycopgConnector(conninfo=dsn))
+        with client.open():
+            client.schema_manager.apply_schema()
+            client.configure_task("bench.begin").defer(path=str(begin_file))
+            args = dict(zip(("ms",), workload.args, strict=False))
+            task = workload.task.replace("_late", "")
+            for i in range(0, workload.n, 500):
+                client.configure_task(task).batch_defer(*[args] * min(500, workload.n - i))
+            client.configure_task("bench.stop").defer(path=str(stop_file))
+        started = stack.enter_context(infra.workers())
+        worker = infra.Process(
+            scratch, "tp-procrastinate",
+            [sys.executable, "-m", "procrastinate", "--app=benchmarks.procrastinate_app.app",
+             "worker", f"--concurrency={CONCURRENCY}"],
+            infra.app_env("memory://", "unused", BENCH_PROC_DSN=dsn))
+        started.append(worker)
+
+        def written(path: Any) -> bool:
+            worker.check_alive()
+            return bool(path.exists() and path.stat().st_size > 0)
+        infra.wait_for(lambda: written(begin_file), 60, "procrastinate's first job", 0.02)
+        proc0 = infra.cpu_seconds(worker.pids())
+        pg0 = backends.cpu()
+        infra.wait_for(lambda: written(stop_file), max(120.0, workload.n / 10),
+                       f"{workload.key} on procrastinate", 0.02)
+        proc1 = infra.cpu_seconds(worker.pids())
+        pg1 = backends.cpu()
+        rss, pss = infra.memory(worker.pids())
+        began = float(begin_file.read_text().split()[-1])
+        elapsed = float(stop_file.read_text().split()[-1]) - began
+        worker.kill()
+    backends.close()
+    n = workload.n
+    return {
+        "broker": "rabbitmq", "variant": "procrastinate", "workload": workload.key, "n": n,
+        "elapsed_s": elapsed, "rate": n / elapsed, "startup_s": began - worker.started,
+        "cpu_ms_per_task": {"parent": 1000 * infra.cpu_delta(proc0, proc1) / n,
+                            "children": 0.0,
+                            "postgres": 1000 * infra.cpu_delta(pg0, pg1) / n},
+        "rss_mb": rss / 2**20, "pss_mb": pss / 2**20,
+    }
+
+
 def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     database_url = infra.ensure_bench_database()
     runs: list[dict[str, Any]] = []
     for broker, workload, repeats in plan(quick):
         for rep in range(repeats):
-            for variant in VARIANTS:
+            for variant in variants(broker, workload, quick):
                 infra.log(f"throughput {broker} {workload.key} {variant} (#{rep + 1}/{repeats})")
                 result, disturbed = infra.retrying(
                     functools.partial(run_one, scratch, database_url, broker, variant, workload),
@@ -204,7 +281,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for broker, workload in keys:
         mine = [r for r in runs if r["broker"] == broker and r["workload"] == workload]
         base = {r["repeat"]: r["rate"] for r in mine if r["variant"] == "prefork"}
-        for variant in VARIANTS:
+        for variant in VARIANTS + PEERS:
             rows = [r for r in mine if r["variant"] == variant]
             if not rows:
                 continue

@@ -121,6 +121,10 @@ class Counters:
     renewals: int = 0
     renew_failures: int = 0
     store_errors: int = 0
+    #: Hot-path exchanges with the store (one round trip each on PostgreSQL) and the
+    #: operations they carried: what the group commit saves is ops / exchanges.
+    exchanges: int = 0
+    exchanged_ops: int = 0
     renew_latency: list[float] = dataclasses.field(default_factory=list)
 
     def record_latency(self, seconds: float) -> None:
@@ -444,6 +448,8 @@ class LeaseKeeper:
         completions if it worked. Returns the failure (completions then still pending)."""
         sent = self.monotonic()
         claims = [op[1] for op in starts]
+        self.counters.exchanges += 1
+        self.counters.exchanged_ops += len(completes) + len(reserves) + len(starts)
         try:
             done = self.store.exchange(self.holder, self.ttl, [op[1] for op in completes],
                                        [op[1] for op in reserves], [c.key for c in claims])

@@ -127,9 +127,8 @@ class PulseWorker:
         return self._intake
 
     def start_leases(self) -> None:
-        # The start thread hands each job to a waiting pool process: it must not wait
-        # Python's default 5 ms GIL switch interval behind the consumer loop or the
-        # group-commit thread.
+        # The commit thread answers starts a free pool process waits for: it must not
+        # wait Python's default 5 ms GIL switch interval behind the consumer loop.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self.keeper.start()
         self.recoverer.start()
@@ -348,7 +347,9 @@ class PulseWorker:
                        "completed": counters.completed,
                        "stale_completions": counters.stale_completions,
                        "renewals": counters.renewals, "renew_failures": counters.renew_failures,
-                       "store_errors": counters.store_errors},
+                       "store_errors": counters.store_errors,
+                       "exchanges": counters.exchanges,
+                       "exchanged_ops": counters.exchanged_ops},
             "recover": dict(self.recoverer.counts),
             "leader": None if self.elector is None else {
                 "key": BEAT_KEY, "is_leader": self.elector.is_leader,

@@ -649,7 +649,7 @@ class ClaimsMachine(RuleBasedStateMachine):
     def complete_batch(self, first: Cred, outcome: str, latest: bool,
                        others: list[tuple[Cred, str]]) -> None:
         """One group commit of several outcomes, maybe two attempts of one task (a lost
-        attempt still running beside the new one, both ending within COMPLETION_DELAY)."""
+        attempt still running beside the new one, both ending within one LINGER)."""
         first = self._pick(first, latest)
         batch = list({cred.key: (cred, out) for cred, out in [(first, outcome), *others]}.values())
         expected, after = self.model.complete_many(batch)
