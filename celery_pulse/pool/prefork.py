@@ -5,10 +5,12 @@ working. The module path contains "prefork" on purpose: Celery's Django fixup
 looks for it to decide how to handle database connections in children.
 
 ``apply_async`` runs on the consumer loop: it finds the claim the request was created
-for (bound to the request by the intake, never looked up by task id), wraps the
-callbacks and queues the start (reserved -> running) for the next group commit; once
-that commits, the job goes to the pool with the lease in the request dict (the child
-reads it). Children touch the store only through ``lease.fenced``.
+for (bound to the request by the intake, never looked up by task id) and wraps the
+callbacks. The job goes to the pool with the lease in the request dict (the child
+reads it) once the claim is ``running``: mostly it already is (the start was folded
+into the reservation, or made ahead of the pool, see
+:mod:`~celery_pulse.bootsteps.ahead`); else the start goes out in the next group
+commit. Children touch the store only through ``lease.fenced``.
 
 The result callbacks run Celery's own first (it may reject or requeue the request,
 see :class:`~celery_pulse.bootsteps.intake.CeleryVerdict`), then end the claim:
