@@ -191,6 +191,9 @@ class Intake:
             start = may_wait and bool(self.pulse.ahead.fold(free))
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries, publication, start)
+            # Lingering for company pays only under load: the first of a burst goes at
+            # once, like one a free process waits for; the rest batch up behind it.
+            urgent = free or not self.pending
             self.pending += 1
             self.inflight[task_id] = []
 
@@ -201,8 +204,7 @@ class Intake:
             if self.loop.hub is None:
                 self._reserve_blocking(request, on_result)
             else:
-                # Only a free process makes it urgent: else the job waits for one anyway.
-                self.keeper.submit_reserve(request, on_result, urgent=free)
+                self.keeper.submit_reserve(request, on_result, urgent=urgent)
             return None
 
         return handler
