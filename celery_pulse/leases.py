@@ -81,6 +81,10 @@ class LocalClaim:
     publication: str | None = None
     #: The adapter asked for the job to be run (it may be waiting for its start).
     applied: bool = False
+    #: The adapter's check, once the job went to the pool, that the pool dropped it
+    #: before writing it to any process (Celery flushes such jobs on a broker reconnect
+    #: and at shutdown): then it never ran.
+    dropped_by_pool: Callable[[], bool] | None = None
     #: A start ahead of the pool is in flight; the job waiting for its answer, if any.
     starting: bool = False
     waiting_job: Any = None
@@ -98,6 +102,11 @@ class LocalClaim:
     def __repr__(self) -> str:
         return (f"LocalClaim({self.task_id!r}, epoch={self.epoch}, "
                 f"token={mask_token(self.token)!r}, state={self.state})")
+
+
+def _dropped(claim: LocalClaim) -> bool:
+    """The job went to the pool, no process accepted it, and the pool dropped it unwritten."""
+    return claim.pid is None and claim.dropped_by_pool is not None and claim.dropped_by_pool()
 
 
 class LeaseListener(Protocol):
@@ -204,15 +213,18 @@ class LeaseKeeper:
     def _never_ran(self) -> list[LocalClaim]:
         """Reservations, and starts whose job never reached the pool: none of them ran.
 
-        A job handed to the pool is never among them, even one no process was seen to
+        A job handed to the pool is not among them, even one no process was seen to
         accept: at a warm shutdown the loop that reads the children's acknowledgements
         and results has stopped, so "not seen" is not "not run" (a CI run caught a job
         released as never run that had run, and then ran again). Its lease expires and
-        Recover decides by the task's policy.
+        Recover decides by the task's policy. The exception is a job the pool dropped
+        before writing it to any process (``dropped_by_pool``): Celery flushes those at
+        shutdown and on a reconnect, expecting the broker to deliver them again (a CI
+        run caught one such job left to expire into review, never having run).
         """
         with self._lock:
             return [c for c in self.claims.values() if c.state == RESERVED
-                    or (c.state == RUNNING and not c.in_pool)]
+                    or (c.state == RUNNING and (not c.in_pool or _dropped(c)))]
 
     def release_unstarted(self, why: str) -> int:
         """The pool forgot every job no process accepted yet (a broker reconnect).
@@ -225,7 +237,8 @@ class LeaseKeeper:
         unstarted = self._never_ran()
         with self._lock:
             unknown = [c for c in self.claims.values()
-                       if c.state == RUNNING and c.in_pool and c.pid is None]
+                       if c.state == RUNNING and c.in_pool and c.pid is None
+                       and not _dropped(c)]
         for claim in unknown:
             self._lose(claim, f"{why}: the pool dropped the job before a process accepted it")
         now = self.monotonic()

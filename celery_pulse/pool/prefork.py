@@ -20,6 +20,7 @@ claim's attempt is stale: it ends nothing and writes nothing to the result backe
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -42,6 +43,19 @@ logger = logging.getLogger(__name__)
 def _exception(retval: Any) -> BaseException | None:
     exc = getattr(retval, "exception", None)
     return getattr(exc, "exc", exc) if type(exc).__name__ == "ExceptionWithTraceback" else exc
+
+
+def _dropped_unwritten(job: Any) -> bool:
+    """billiard forgot ``job`` before writing a byte of it to any process: it never ran.
+
+    Celery's ``flush`` (at shutdown and on a broker reconnect) clears jobs not written
+    yet and discards every job not accepted from the pool's cache; a job written (even in
+    part) is finished writing, so a process may run it.
+    """
+    cache = getattr(job, "_cache", None)
+    return (getattr(job, "_accepted", True) is False
+            and getattr(job, "_write_to", False) is None
+            and isinstance(cache, dict) and getattr(job, "_job", None) not in cache)
 
 
 class TaskPool(prefork.TaskPool):
@@ -117,6 +131,8 @@ class TaskPool(prefork.TaskPool):
         except Exception:
             self._free_slot(claim)
             raise
+        if applied is not None:
+            claim.dropped_by_pool = functools.partial(_dropped_unwritten, applied)
         self.pulse.keeper.handed(claim)
         claim.handed_at = time.monotonic()
         self.pulse.ahead.left(claim)

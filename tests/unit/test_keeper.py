@@ -79,22 +79,25 @@ def test_a_newer_grant_of_the_task_still_hard_stops_the_lost_attempt(store: SqlS
 def test_warm_shutdown_never_releases_a_job_handed_to_the_pool(store: SqlStore) -> None:
     """Accepted or not seen accepted: a job in the pool may have run, so it stays running.
 
-    Only reservations and starts that never reached the pool are released as never run;
-    the others' leases expire and Recover decides by the task's policy.
+    Only reservations, starts that never reached the pool and jobs the pool dropped
+    unwritten are released as never run; the others' leases expire and Recover decides
+    by the task's policy.
     """
     keeper = LeaseKeeper(store, "w1", ttl=TTL, interval=1, margin=1, grace=2,
                          listener=Listener())
     clock = keeper.monotonic
-    handed, accepted, _ = (keeper.add(reserve(store, t, "p"), clock(), 0, False)
-                           for t in ("a", "b", "c"))
-    for claim in (handed, accepted):
+    handed, accepted, _, dropped = (keeper.add(reserve(store, t, "p"), clock(), 0, False)
+                                    for t in ("a", "b", "c", "d"))
+    for claim in (handed, accepted, dropped):
         assert store.start("w1", claim.task_id, claim.epoch, claim.token, TTL)
         keeper.mark_running(claim)
-        claim.in_pool = True
+        keeper.handed(claim)
     accepted.pid = 4242
+    handed.dropped_by_pool = lambda: False  # written to a process: it may run
+    dropped.dropped_by_pool = lambda: True  # flushed by the pool before any process had it
     keeper.stop()
     states = {c.task_id: c.state for c in store.list_claims()}
-    assert states == {"a": RUNNING, "b": RUNNING, "c": "reserved"}
+    assert states == {"a": RUNNING, "b": RUNNING, "c": "reserved", "d": "reserved"}
 
 
 class Spy:
