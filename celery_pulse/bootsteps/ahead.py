@@ -55,7 +55,6 @@ class StartAhead:
         self.folding = 0
         #: Running mean of job run times (seconds); None until one job has run.
         self.runtime: float | None = None
-        self.started_ahead = 0
 
     @property
     def short(self) -> bool:
@@ -108,7 +107,6 @@ class StartAhead:
             self.ahead.add(claim)
             claim.starting = True
             budget -= 1
-            self.started_ahead += 1
             self.keeper.submit_start(claim, self._answer_to(claim), urgent=False)
         if len(self.queued) > 4 * self.concurrency and not self.short:
             self.queued.clear()  # jobs got long: they start when their process is free
