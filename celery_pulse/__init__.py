@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from celery_pulse.errors import (
+    Contended,
     InvalidConfig,
     LeaseLost,
     NotFound,
@@ -23,6 +24,7 @@ from celery_pulse.settings import Settings
 __version__ = "0.1.0"
 
 __all__ = [
+    "Contended",
     "InvalidConfig",
     "Lease",
     "LeaseLost",

@@ -35,6 +35,13 @@ class StoreUnavailable(PulseError):
     """The pulse store cannot be reached."""
 
 
+class Contended(PulseError):
+    """The store kept answering with deadlocks or lock-wait timeouts: try again later.
+
+    Not an outage (the store answers) and not a lost lease (nothing was decided).
+    """
+
+
 class NotRegistered(PulseError):
     """This worker is not registered (replaced, expired or deregistered)."""
 

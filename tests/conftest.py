@@ -1,4 +1,4 @@
-"""Shared fixtures: a store per test on SQLite and PostgreSQL, brokers, worker processes."""
+"""Shared fixtures: a store per test on SQLite, PostgreSQL or MariaDB, brokers, worker processes."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ import pytest
 
 from celery_pulse.store.sql import SqlStore, open_store
 from tests.helpers import services
+from tests.helpers.mariadb import Database, PrivateMariaDB
 from tests.helpers.pg import PrivatePostgres, Schema
 from tests.helpers.workers import Env, Worker
 
 #: pytest-celery's fixtures on local -P pulse workers (tests/acceptance/test_pytest_celery.py).
 pytest_plugins = ["celery_pulse.contrib.pytest_celery"]
 
-STORES = ["sqlite", "postgres"]
+STORES = ["sqlite", "postgres", "mariadb"]
+#: The fixture that makes a fresh store of each kind.
+STORE_FIXTURES = {"sqlite": "sqlite_url", "postgres": "pg_url", "mariadb": "mariadb_url"}
 
 
 @pytest.fixture
@@ -35,11 +38,20 @@ def pg_url() -> Iterator[str]:
         schema.drop()
 
 
+@pytest.fixture
+def mariadb_url() -> Iterator[str]:
+    services.require("mariadb")
+    database = Database(services.MARIADB_ADMIN_URL).create()
+    try:
+        yield database.url
+    finally:
+        database.drop()
+
+
 @pytest.fixture(params=STORES)
 def store_url(request: pytest.FixtureRequest) -> str:
-    """The store URL, once per store implementation (SQLite and PostgreSQL)."""
-    name = "pg_url" if request.param == "postgres" else "sqlite_url"
-    url: str = request.getfixturevalue(name)
+    """The store URL, once per store implementation (SQLite, PostgreSQL, MariaDB)."""
+    url: str = request.getfixturevalue(STORE_FIXTURES[request.param])
     return url
 
 
@@ -69,6 +81,17 @@ def private_pg() -> Iterator[PrivatePostgres]:
     """A PostgreSQL server of this test's own, which the test may stop and start."""
     services.require("postgres")
     server = PrivatePostgres().init()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def private_mariadb() -> Iterator[PrivateMariaDB]:
+    """A MariaDB server of this test's own, which the test may stop and start."""
+    services.require("mariadb")
+    server = PrivateMariaDB().init()
     try:
         yield server
     finally:

@@ -1,4 +1,4 @@
-"""Running services a test may use (PostgreSQL, RabbitMQ, Redis): where, whether up, how to tidy.
+"""Running services a test may use (PostgreSQL, MariaDB, RabbitMQ, Redis): where, whether up, how to tidy.
 
 Locally a missing service skips the test with a message naming it; with ``CI=true`` it
 fails the test instead, so a CI run can't pass by skipping.
@@ -18,13 +18,14 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 #: Defaults, each overridden by the environment variable of the same role.
 POSTGRES_URL = os.environ.get("PULSE_TEST_PG", "postgresql+psycopg://root@127.0.0.1:5432/test")
+MARIADB_URL = os.environ.get("PULSE_TEST_MARIADB", "mysql+pymysql://root@127.0.0.1:3306/test")
 RABBITMQ_URL = os.environ.get("PULSE_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 #: The Redis database the pytest-celery nodes own: emptied after every test that used it.
 REDIS_URL = os.environ.get("PULSE_TEST_REDIS_DB_URL", "redis://127.0.0.1:6379/13")
 
 
 def address(url: str, default_port: int) -> tuple[str, int]:
-    parts = urlsplit(url.replace("+psycopg", ""))
+    parts = urlsplit(url.replace("+psycopg", "").replace("+pymysql", ""))
     return parts.hostname or "127.0.0.1", parts.port or default_port
 
 
@@ -72,6 +73,36 @@ class Schema:
         with self._engine.connect() as conn:
             conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{self.name}" CASCADE')
         self._engine.dispose()
+
+
+class Database:
+    """A throwaway MariaDB/MySQL database on a shared server: the store of one test.
+
+    MariaDB has no schemas inside a database (a schema *is* a database), so where
+    :class:`Schema` makes a schema, this makes a database, with a binary collation so that
+    strings compare byte for byte (case- and accent-sensitive), as on PostgreSQL and SQLite.
+    """
+
+    def __init__(self, admin_url: str, prefix: str = "t_") -> None:
+        import sqlalchemy as sa
+
+        self.admin_url = admin_url
+        self.name = prefix + uuid.uuid4().hex[:12]
+        self.url = sa.make_url(admin_url).set(database=self.name).render_as_string(hide_password=False)
+        self._engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+
+    def create(self) -> Database:
+        with self._engine.connect() as conn:
+            conn.exec_driver_sql(
+                f"CREATE DATABASE `{self.name}` CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
+        return self
+
+    def drop(self) -> None:
+        try:
+            with self._engine.connect() as conn:
+                conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{self.name}`")
+        finally:
+            self._engine.dispose()
 
 
 def delete_amqp_entities(url: str, queues: list[str], exchanges: list[str]) -> None:

@@ -14,16 +14,20 @@ STORE_KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+    pytest.param("mariadb", id="mariadb", marks=pytest.mark.mariadb),
 ]
+
+#: The URL fixture (tests/conftest.py) of each SQL store kind.
+URL_FIXTURES = {"sqlite": "sqlite_url", "postgres": "pg_url", "mariadb": "mariadb_url"}
 
 
 @pytest.fixture(params=STORE_KINDS)
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """A fresh, empty, migrated store (``memory``, ``sqlite`` or ``postgres``)."""
+    """A fresh, empty, migrated store (``memory``, ``sqlite``, ``postgres`` or ``mariadb``)."""
     if request.param == "memory":
         yield MemoryStore()
         return
-    url: str = request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
+    url: str = request.getfixturevalue(URL_FIXTURES[request.param])
     sql = open_store(url, check_schema=False)
     sql.migrate()
     try:

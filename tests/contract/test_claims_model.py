@@ -82,9 +82,10 @@ LIVE, EXPIRED = "live", "expired"
 STORE_KINDS = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+    pytest.param("mariadb", id="mariadb", marks=pytest.mark.mariadb),
 ]
 
-#: Both stores together stay well under a minute on a shared 2-core machine.
+#: The stores together stay well under a minute on a shared 2-core machine.
 MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
                             database=None, print_blob=True,
                             suppress_health_check=[HealthCheck.too_slow])
@@ -780,7 +781,8 @@ class ClaimsMachine(RuleBasedStateMachine):
 @pytest.fixture(params=STORE_KINDS)
 def model_store(request: pytest.FixtureRequest) -> Iterator[SqlStore]:
     """A migrated store, once per SQL store (``pg_url`` applies the service rules)."""
-    url: str = request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
+    url: str = request.getfixturevalue(f"{request.param}_url" if request.param != "postgres"
+                                       else "pg_url")
     store = open_store(url, check_schema=False)
     store.migrate()
     try:

@@ -8,16 +8,18 @@ import os
 from celery_pulse.contrib import services as plugin_services
 from celery_pulse.contrib.services import IN_CI, reachable
 
-__all__ = ["IN_CI", "PG_ADMIN_URL", "RABBIT_URL", "REDIS_URL", "SERVICES", "reachable", "require",
-           "tidy_queue"]
+__all__ = ["IN_CI", "MARIADB_ADMIN_URL", "PG_ADMIN_URL", "RABBIT_URL", "REDIS_URL", "SERVICES", "reachable",
+           "require", "tidy_queue"]
 
 SERVICES = {
     "postgres": ("127.0.0.1", 5432),
+    "mariadb": plugin_services.address(plugin_services.MARIADB_URL, 3306),  # $PULSE_TEST_MARIADB
     "rabbitmq": ("127.0.0.1", 5672),
     "redis": ("127.0.0.1", 6379),
 }
 
 PG_ADMIN_URL = plugin_services.POSTGRES_URL  # $PULSE_TEST_PG
+MARIADB_ADMIN_URL = plugin_services.MARIADB_URL  # $PULSE_TEST_MARIADB
 RABBIT_URL = plugin_services.RABBITMQ_URL  # $PULSE_TEST_AMQP
 REDIS_URL = os.environ.get("PULSE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 

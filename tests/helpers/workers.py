@@ -85,7 +85,11 @@ class Worker:
                 raise AssertionError(f"worker {self.name} exited ({self.proc.returncode}) "
                                      f"before logging {pattern!r}:\n{self.log()[-3000:]}")
             return re.search(pattern, self.log())
-        result: re.Match[str] = wait_for(found, timeout, f"{self.name} to log {pattern!r}")
+        try:
+            result: re.Match[str] = wait_for(found, timeout, f"{self.name} to log {pattern!r}")
+        except AssertionError as exc:  # the log's tail says why: keep it in the report
+            raise AssertionError(f"{exc}; the worker's log ends:\n{self.log()[-4000:]}"
+                                 ) from None
         return result
 
     def wait_ready(self, timeout: float = 30) -> Worker:

@@ -109,13 +109,16 @@ def test_counts_at_least_one(name: str) -> None:
     "sqlite+pysqlite:///x.sqlite3",
     "postgresql://u@h/db",
     "postgresql+psycopg://u:pw@h:5432/db",
+    "mysql://u@h/db",
+    "mysql+pymysql://u:pw@h:3306/db",
+    "mariadb+pymysql://u:pw@h/db",
 ])
 def test_known_store_schemes(url: str) -> None:
     assert Settings(store_url=url).store_url == url
 
 
 @pytest.mark.parametrize("url", [
-    "mysql://pulse:s3cr3t-pw@db.example:3306/pulse",
+    "mysql+mysqldb://pulse:s3cr3t-pw@db.example:3306/pulse",
     "postgresql+asyncpg://pulse:s3cr3t-pw@db.example/pulse",
     "redis://:s3cr3t-pw@localhost:6379/0",
 ])
@@ -223,7 +226,7 @@ def test_from_conf_validates() -> None:
 
 
 def test_from_conf_bad_url_masks_password() -> None:
-    exc = invalid_conf("pulse_store_url", {"pulse_store_url": "mysql://u:hunter2@h/db"})
+    exc = invalid_conf("pulse_store_url", {"pulse_store_url": "oracle://u:hunter2@h/db"})
     assert "hunter2" not in str(exc)
     assert "u:***@h" in str(exc)
 

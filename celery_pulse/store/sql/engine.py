@@ -1,4 +1,5 @@
-"""Engine construction: SQLite gets WAL + busy timeout; PostgreSQL gets bounded connects."""
+"""Engine construction: SQLite gets WAL + busy timeout; PostgreSQL and MySQL/MariaDB get
+bounded connects (and MySQL a session fit for lease decisions)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,34 @@ def make_engine(url: str) -> sa.Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
+    if parsed.get_backend_name() in ("mysql", "mariadb"):
+        return _mysql_engine(parsed)
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
     return sa.create_engine(parsed, pool_size=4, max_overflow=8,
                             connect_args=connect_args)
+
+
+def _mysql_engine(parsed: sa.URL) -> sa.Engine:
+    """READ COMMITTED: a locking read takes no gap locks, and every lease decision reads
+    under a lock or runs in one statement, so REPEATABLE READ's snapshot never decides.
+
+    The driver is PyMySQL whatever the URL names (``mysql://`` would mean mysqlclient,
+    which needs a compiler and client headers to install).
+    """
+    try:
+        import pymysql  # noqa: F401
+    except ImportError:
+        from celery_pulse.errors import InvalidConfig
+
+        raise InvalidConfig("pulse_store_url: a MySQL/MariaDB store needs PyMySQL: "
+                            "pip install 'celery-pulse[mysql]'",
+                            setting="pulse_store_url") from None
+    parsed = parsed.set(drivername=f"{parsed.get_backend_name()}+pymysql")
+    connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S,
+                                    "charset": "utf8mb4"}
+    # The server closes idle connections after wait_timeout (8 h by default).
+    return sa.create_engine(parsed, pool_size=4, max_overflow=8, pool_recycle=3600,
+                            isolation_level="READ COMMITTED", connect_args=connect_args)
 
 
 def _sqlite_engine(parsed: sa.URL) -> sa.Engine:

@@ -7,12 +7,26 @@ from contextlib import contextmanager
 
 import sqlalchemy.exc as sa_exc
 
-from celery_pulse.errors import SchemaMissing, StoreUnavailable
+from celery_pulse.errors import Contended, SchemaMissing, StoreUnavailable
 
 _MISSING_MARKERS = ("no such table", "undefinedtable", "does not exist")
 #: A store that answers but cannot take writes is as good as down for leases.
 _UNWRITABLE_MARKERS = ("read-only", "readonly", "read only", "disk full", "diskfull",
-                       "no space left", "database or disk is full", "readonlysqltransaction")
+                       "no space left", "database or disk is full", "readonlysqltransaction",
+                       "is full")
+#: MySQL/MariaDB: a deadlock victim and a lock-wait timeout. The transaction was rolled
+#: back and may be run again; PyMySQL reports both as OperationalError, like an outage.
+CONTENTION_CODES = (1213, 1205)
+#: MySQL/MariaDB: no such table.
+_NO_TABLE_CODE = 1146
+
+
+def mysql_code(orig: BaseException | None) -> int | None:
+    """The MySQL/MariaDB error number of a driver error (None for other drivers)."""
+    args = getattr(orig, "args", ())
+    code = args[0] if args else None
+    return code if isinstance(code, int) and type(orig).__module__.startswith("pymysql") \
+        else None
 
 
 def translate(orig: BaseException, where: str, lost_connection: bool) -> Exception | None:
@@ -23,6 +37,11 @@ def translate(orig: BaseException, where: str, lost_connection: bool) -> Excepti
     classes of psycopg used directly on the hot path).
     """
     text = f"{type(orig).__name__} {orig}".lower()
+    code = mysql_code(orig)
+    if code == _NO_TABLE_CODE:
+        return SchemaMissing()
+    if code in CONTENTION_CODES:
+        return Contended(f"store contended during {where}: {orig}")
     if (any(marker in text for marker in _MISSING_MARKERS) and "relation" in text) or (
             "no such table" in text):
         return SchemaMissing()

@@ -6,17 +6,20 @@ clock, runs the caller's block, checks again, and commits. While the row is lock
 no takeover (a new epoch) can be granted, so a stale holder's write never lands.
 On PostgreSQL the transaction's lock, statement and idle timeouts are capped at the
 lease TTL, so a holder paused inside the block loses its transaction instead of
-pinning the row. On SQLite the UPDATE takes the database write lock for the block.
+pinning the row; on MySQL/MariaDB the session's lock wait and statement time (and, on
+MariaDB, its idle time in a transaction) are capped the same way for the block. On
+SQLite the UPDATE takes the database write lock for the block.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
@@ -29,9 +32,12 @@ from celery_pulse.store.sql.tables import claims
 
 def _identity(url: sa.URL) -> tuple[str, str | None, int | None, str | None]:
     database = url.database
-    if url.get_backend_name() == "sqlite" and database:
+    backend = url.get_backend_name()
+    if backend == "sqlite" and database:
         database = os.path.realpath(database)
-    return (url.get_backend_name(), url.host, url.port, database)
+    if backend == "mariadb":  # the same server family whichever name the URL uses
+        backend = "mysql"
+    return (backend, url.host, url.port, database)
 
 
 def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
@@ -45,9 +51,13 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
                 raise InvalidConfig("lease.fenced(session): the session is already in a "
                                     "transaction; commit or roll back first")
             with target.begin():
-                _guard(target.connection(), lease)
-                yield target
-                _recheck(target.connection(), lease)
+                conn = target.connection()
+                saved = _guard(conn, lease)
+                try:
+                    yield target
+                    _recheck(conn, lease)
+                finally:
+                    _restore(conn, saved)
             return
         if not isinstance(target, sa.Connection):
             raise InvalidConfig("lease.fenced() takes a SQLAlchemy Connection or Session")
@@ -55,9 +65,12 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
             raise InvalidConfig("lease.fenced(conn): the connection is already in a "
                                 "transaction; commit or roll back first")
         with target.begin():
-            _guard(target, lease)
-            yield target
-            _recheck(target, lease)
+            saved = _guard(target, lease)
+            try:
+                yield target
+                _recheck(target, lease)
+            finally:
+                _restore(target, saved)
 
     def _check_database(conn: sa.Connection) -> None:
         if _identity(conn.engine.url) != expected:
@@ -65,7 +78,8 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
                 "lease.fenced() needs a connection to the pulse store's database; for "
                 "another resource use lease.check() and the (task_id, epoch) token")
 
-    def _guard(conn: sa.Connection, lease: Lease) -> None:
+    def _guard(conn: sa.Connection, lease: Lease) -> dict[str, Any]:
+        """Lock the claim row if the lease holds; returns session settings to restore."""
         _check_database(conn)
         lease.check()
         dialect = Dialect(conn.dialect.name)
@@ -74,16 +88,22 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
             for setting in ("lock_timeout", "statement_timeout",
                             "idle_in_transaction_session_timeout"):
                 conn.exec_driver_sql(f"SET LOCAL {setting} = {ms}")
-        held = conn.execute(
-            sa.update(claims)
-            .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
-                   claims.c.token == lease.token, claims.c.state.in_(LIVE_STATES),
-                   claims.c.lease_until > dialect.now())
-            .values(epoch=claims.c.epoch)
-            .returning(claims.c.task_id)).first()
-        if held is None:
+        saved: dict[str, Any] = {}
+        if dialect.is_mysql:
+            saved = _cap_mysql_session(conn, ttl)
+        guard = (sa.update(claims)
+                 .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
+                        claims.c.token == lease.token, claims.c.state.in_(LIVE_STATES),
+                        claims.c.lease_until > dialect.now())
+                 .values(epoch=claims.c.epoch))
+        if dialect.is_mysql:  # no RETURNING; the engine counts matched rows (FOUND_ROWS)
+            held = bool(conn.execute(guard).rowcount)
+        else:
+            held = conn.execute(guard.returning(claims.c.task_id)).first() is not None
+        if not held:
             lease.mark_lost()
             raise LeaseLost(lease.lost_message() + " (the store refused the fenced write)")
+        return saved
 
     def _recheck(conn: sa.Connection, lease: Lease) -> None:
         lease.check()
@@ -97,3 +117,35 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
             raise LeaseLost(lease.lost_message() + " (expired before commit)")
 
     return fenced
+
+
+def _cap_mysql_session(conn: sa.Connection, ttl: float) -> dict[str, Any]:
+    """Cap lock waits and statements (MariaDB: idling too) at the lease TTL.
+
+    MySQL has no ``SET LOCAL``: the session values are set here and put back by
+    :func:`_restore` before the transaction ends; returns the values to put back.
+    """
+    seconds = max(1, int(ttl + 0.999))
+    if getattr(conn.dialect, "is_mariadb", False):
+        caps: dict[str, Any] = {"innodb_lock_wait_timeout": seconds,
+                                "max_statement_time": round(ttl, 3),
+                                "idle_transaction_timeout": seconds}
+    else:  # MySQL: max_execution_time caps SELECTs only, in milliseconds
+        caps = {"innodb_lock_wait_timeout": seconds,
+                "max_execution_time": max(1, int(ttl * 1000))}
+    names = list(caps)
+    row = conn.exec_driver_sql(
+        "SELECT " + ", ".join(f"@@SESSION.{name}" for name in names)).one()
+    conn.exec_driver_sql("SET " + ", ".join(f"SESSION {name} = {value}"
+                                            for name, value in caps.items()))
+    return dict(zip(names, row, strict=True))
+
+
+def _restore(conn: sa.Connection, saved: dict[str, Any]) -> None:
+    """Put the caller's session settings back (best effort: a connection the server
+    closed for idling is discarded by the pool anyway)."""
+    if not saved:
+        return
+    with suppress(sa_exc.DBAPIError):
+        conn.exec_driver_sql("SET " + ", ".join(f"SESSION {name} = {value}"
+                                                for name, value in saved.items()))

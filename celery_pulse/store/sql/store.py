@@ -109,7 +109,8 @@ def _dumps(value: Any) -> str:
 
 
 class SqlStore(Store):
-    """A :class:`Store` on a SQLAlchemy engine (PostgreSQL or SQLite)."""
+    """A :class:`Store` on a SQLAlchemy engine (PostgreSQL or SQLite; MySQL/MariaDB in
+    :class:`~celery_pulse.store.sql.mysql.MySqlStore`)."""
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
@@ -247,6 +248,16 @@ class SqlStore(Store):
     def _lease_key(self, leases: Sequence[tuple[str, int, str]]) -> Any:
         return sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
             [tuple(lease) for lease in leases])
+
+    def _updated(self, conn: sa.Connection, task_ids: list[str], stmt: Any) -> list[Any]:
+        """Run ``stmt`` (an UPDATE of ``pulse_claims``); the rows it changed as
+        (task_id, epoch, token).
+
+        Where there is no RETURNING (MySQL) the rows are read back after it: callers lock
+        ``task_ids`` first, so nothing else can have changed them in between.
+        """
+        return list(conn.execute(stmt.returning(claims.c.task_id, claims.c.epoch,
+                                                claims.c.token)))
 
     _RESERVE_COLUMNS = ("task_id", "task_name", "max_attempts", "policy", "retries", "body",
                         "headers", "properties", "delivery_info", "content_type",
@@ -586,18 +597,17 @@ class SqlStore(Store):
         with translated("requeue"), self.engine.begin() as conn:
             rows = {r.task_id: r for r in conn.execute(sa.select(claims).where(
                 claims.c.holder == holder, self._lease_key(leases),
-                claims.c.state.in_(LIVE_STATES), claims.c.lease_until > now))}
+                claims.c.state.in_(LIVE_STATES), claims.c.lease_until > now
+            ).with_for_update())}
             if not rows:
                 return []
-            moved = conn.execute(
-                sa.update(claims)
-                .where(sa.tuple_(claims.c.task_id, claims.c.epoch).in_(
+            moved = self._updated(conn, list(rows), sa.update(claims).where(
+                sa.tuple_(claims.c.task_id, claims.c.epoch).in_(
                     [(r.task_id, r.epoch) for r in rows.values()]),
-                    claims.c.state.in_(LIVE_STATES))
-                .values(state=OPEN, epoch=claims.c.epoch + 1, holder=holder,
-                        token=self.dialect.new_token(), lease_until=now + publish_ttl,
-                        started_at=None, outcome=RETRY, error="requeued")
-                .returning(claims.c.task_id, claims.c.epoch, claims.c.token)).all()
+                claims.c.state.in_(LIVE_STATES)).values(
+                state=OPEN, epoch=claims.c.epoch + 1, holder=holder,
+                token=self.dialect.new_token(), lease_until=now + publish_ttl,
+                started_at=None, outcome=RETRY, error="requeued"))
             for g in moved:
                 out.append(self._recovered(rows[g.task_id], OPEN, int(g.epoch), g.token))
         return out
@@ -659,7 +669,7 @@ class SqlStore(Store):
             sa.and_(claims.c.state == OPEN, claims.c.lease_until.is_not(None),
                     claims.c.lease_until <= now))
         pick = sa.select(claims).where(expired).order_by(claims.c.lease_until).limit(batch)
-        if self.dialect.is_postgres:
+        if self.dialect.name != "sqlite":
             # Rows another scanner is taking right now are skipped, not waited for.
             pick = pick.with_for_update(skip_locked=True)
         out: list[Recovered] = []
@@ -690,9 +700,9 @@ class SqlStore(Store):
                 else:
                     values.update(token=None, lease_until=None, outcome="unknown",
                                   error="started, then its lease expired: outcome unknown")
-                granted = {g.task_id: g for g in conn.execute(
-                    sa.update(claims).where(key).values(**values)
-                    .returning(claims.c.task_id, claims.c.epoch, claims.c.token))}
+                granted = {g.task_id: g for g in self._updated(
+                    conn, [r.task_id for r in members],
+                    sa.update(claims).where(key).values(**values))}
                 for r in members:
                     g = granted.get(r.task_id)
                     if g is None:
@@ -748,19 +758,17 @@ class SqlStore(Store):
         with translated("review_retry"), self.engine.begin() as conn:
             row = conn.execute(sa.select(claims).where(
                 claims.c.task_id == task_id,
-                claims.c.state.in_((NEEDS_REVIEW, FAILED)))).one_or_none()
+                claims.c.state.in_((NEEDS_REVIEW, FAILED))).with_for_update()).one_or_none()
             if row is None:
                 raise NotFound(f"no needs-review or failed task {task_id}")
-            got = conn.execute(
-                sa.update(claims)
+            greatest = sa.func.max if self.dialect.name == "sqlite" else sa.func.greatest
+            (got,) = self._updated(
+                conn, [task_id], sa.update(claims)
                 .where(claims.c.task_id == task_id, claims.c.epoch == row.epoch)
                 .values(state=OPEN, epoch=claims.c.epoch + 1, holder=scanner,
                         token=self.dialect.new_token(), lease_until=now + publish_ttl,
-                        max_attempts=sa.func.max(claims.c.max_attempts, claims.c.attempts + 1)
-                        if not self.dialect.is_postgres
-                        else sa.func.greatest(claims.c.max_attempts, claims.c.attempts + 1),
-                        finished_at=None, outcome=None, error=None)
-                .returning(claims.c.epoch, claims.c.token)).one()
+                        max_attempts=greatest(claims.c.max_attempts, claims.c.attempts + 1),
+                        finished_at=None, outcome=None, error=None))
             self._audit(conn, task_id, "retry", None, who, note)
         return self._recovered(row, OPEN, int(got.epoch), got.token)
 
@@ -837,7 +845,7 @@ class SqlStore(Store):
         term = (sa.select(leaders.c.key)
                 .where(leaders.c.key == key, leaders.c.token == token, leaders.c.epoch == epoch,
                        leaders.c.lease_until > now))
-        if self.dialect.is_postgres:
+        if self.dialect.name != "sqlite":
             term = term.with_for_update()  # a takeover waits until this slot is decided
         insert_slot = self.dialect.insert(beat_slots).values(
             entry=slot.entry, due_at=slot.due_at, task_id=slot.task_id, task=slot.task,
@@ -905,7 +913,13 @@ def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True
     Raises InvalidConfig (naming ``pulse_store_url``, password masked) when it never
     answers, and SchemaMissing when the schema is absent or old.
     """
-    store = SqlStore(make_engine(url))
+    engine = make_engine(url)
+    if Dialect(engine.dialect.name).is_mysql:
+        from celery_pulse.store.sql.mysql import MySqlStore
+
+        store: SqlStore = MySqlStore(engine)
+    else:
+        store = SqlStore(engine)
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
     while True:

@@ -1,13 +1,15 @@
 """Table definitions, once. Migrations are checked against these by the test suite.
 
 Timestamps are store-clock seconds since the epoch as double precision: the same
-arithmetic works on PostgreSQL and SQLite, and nothing ever compares them with a
+arithmetic works on PostgreSQL, MySQL/MariaDB and SQLite, and nothing ever compares them with a
 process clock.
 """
 
 from __future__ import annotations
 
 import sqlalchemy as sa
+
+from celery_pulse.store.sql.types import BLOB, SECONDS, TABLE_OPTIONS, TEXT
 
 metadata = sa.MetaData()
 
@@ -16,11 +18,12 @@ workers = sa.Table(
     metadata,
     sa.Column("worker_id", sa.String(255), primary_key=True),
     sa.Column("token", sa.String(64), nullable=False),
-    sa.Column("labels", sa.Text, nullable=False),
-    sa.Column("registered_at", sa.Float(precision=53), nullable=False),
-    sa.Column("last_heartbeat", sa.Float(precision=53), nullable=False),
-    sa.Column("expires_at", sa.Float(precision=53), nullable=False),
+    sa.Column("labels", TEXT, nullable=False),
+    sa.Column("registered_at", SECONDS, nullable=False),
+    sa.Column("last_heartbeat", SECONDS, nullable=False),
+    sa.Column("expires_at", SECONDS, nullable=False),
     sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
+    **TABLE_OPTIONS,
 )
 
 #: One row per Celery task id: who may run it (holder, token, epoch) until when
@@ -34,23 +37,23 @@ claims = sa.Table(
     sa.Column("holder", sa.String(255)),
     sa.Column("token", sa.String(64)),
     sa.Column("epoch", sa.BigInteger, nullable=False),
-    sa.Column("lease_until", sa.Float(precision=53)),
+    sa.Column("lease_until", SECONDS),
     sa.Column("attempts", sa.Integer, nullable=False),
     sa.Column("max_attempts", sa.Integer, nullable=False),
     sa.Column("policy", sa.String(16), nullable=False),
     sa.Column("retries", sa.Integer, nullable=False),
-    sa.Column("body", sa.LargeBinary, nullable=False),
-    sa.Column("headers", sa.Text, nullable=False),
-    sa.Column("properties", sa.Text, nullable=False),
-    sa.Column("delivery_info", sa.Text, nullable=False),
+    sa.Column("body", BLOB, nullable=False),
+    sa.Column("headers", TEXT, nullable=False),
+    sa.Column("properties", TEXT, nullable=False),
+    sa.Column("delivery_info", TEXT, nullable=False),
     sa.Column("content_type", sa.String(128), nullable=False),
     sa.Column("content_encoding", sa.String(64), nullable=False),
-    sa.Column("created_at", sa.Float(precision=53), nullable=False),
-    sa.Column("reserved_at", sa.Float(precision=53)),
-    sa.Column("started_at", sa.Float(precision=53)),
-    sa.Column("finished_at", sa.Float(precision=53)),
+    sa.Column("created_at", SECONDS, nullable=False),
+    sa.Column("reserved_at", SECONDS),
+    sa.Column("started_at", SECONDS),
+    sa.Column("finished_at", SECONDS),
     sa.Column("outcome", sa.String(32)),
-    sa.Column("error", sa.Text),
+    sa.Column("error", TEXT),
     #: Identity of the publication the claim belongs to (``pulse_pub`` header; NULL for
     #: messages published without it): a redelivery vs a new publication of the task id.
     sa.Column("publication", sa.String(64)),
@@ -63,6 +66,7 @@ claims = sa.Table(
     sa.Index("ix_pulse_claims_finished", "finished_at",
              postgresql_where=sa.text("finished_at IS NOT NULL"),
              sqlite_where=sa.text("finished_at IS NOT NULL")),
+    **TABLE_OPTIONS,
 )
 
 #: Late outcomes from stale holders: kept, never authoritative (seed 003 EVIDENCE_ONLY).
@@ -75,8 +79,9 @@ evidence = sa.Table(
     sa.Column("epoch", sa.BigInteger, nullable=False),
     sa.Column("holder", sa.String(255), nullable=False),
     sa.Column("outcome", sa.String(32), nullable=False),
-    sa.Column("error", sa.Text),
-    sa.Column("recorded_at", sa.Float(precision=53), nullable=False),
+    sa.Column("error", TEXT),
+    sa.Column("recorded_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
 )
 
 #: Human decisions on needs-review tasks (who decided what, when): the audit trail.
@@ -88,9 +93,10 @@ reviews = sa.Table(
     sa.Column("task_id", sa.String(255), nullable=False, index=True),
     sa.Column("action", sa.String(16), nullable=False),
     sa.Column("outcome", sa.String(32)),
-    sa.Column("note", sa.Text),
+    sa.Column("note", TEXT),
     sa.Column("decided_by", sa.String(255), nullable=False),
-    sa.Column("decided_at", sa.Float(precision=53), nullable=False),
+    sa.Column("decided_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
 )
 
 #: One row per election key: the current term (epoch) and its holder's lease.
@@ -101,8 +107,9 @@ leaders = sa.Table(
     sa.Column("holder", sa.String(255), nullable=False),
     sa.Column("token", sa.String(64), nullable=False),
     sa.Column("epoch", sa.BigInteger, nullable=False),
-    sa.Column("lease_until", sa.Float(precision=53), nullable=False),
-    sa.Column("acquired_at", sa.Float(precision=53), nullable=False),
+    sa.Column("lease_until", SECONDS, nullable=False),
+    sa.Column("acquired_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
 )
 
 #: Each periodic slot ``(entry, due_at)`` exists once: inserted only by the current
@@ -111,14 +118,15 @@ beat_slots = sa.Table(
     "pulse_beat_slots",
     metadata,
     sa.Column("entry", sa.String(255), primary_key=True),
-    sa.Column("due_at", sa.Float(precision=53), primary_key=True),
+    sa.Column("due_at", SECONDS, primary_key=True),
     sa.Column("task_id", sa.String(255), nullable=False),
     sa.Column("task", sa.String(255), nullable=False),
-    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("payload", TEXT, nullable=False),
     sa.Column("leader_epoch", sa.BigInteger, nullable=False),
-    sa.Column("created_at", sa.Float(precision=53), nullable=False),
-    sa.Column("published_at", sa.Float(precision=53)),
+    sa.Column("created_at", SECONDS, nullable=False),
+    sa.Column("published_at", SECONDS),
     sa.Index("ix_pulse_beat_slots_unpublished", "published_at"),
+    **TABLE_OPTIONS,
 )
 
 #: ``last_run_at`` per entry (the due time of its latest slot): survives restarts.
@@ -126,7 +134,8 @@ beat_state = sa.Table(
     "pulse_beat_state",
     metadata,
     sa.Column("entry", sa.String(255), primary_key=True),
-    sa.Column("last_run_at", sa.Float(precision=53), nullable=False),
+    sa.Column("last_run_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
 )
 
 #: Dynamic schedule entries (``celery pulse schedule add``), beside ``beat_schedule``.
@@ -136,12 +145,13 @@ schedule = sa.Table(
     sa.Column("name", sa.String(255), primary_key=True),
     sa.Column("task", sa.String(255), nullable=False),
     sa.Column("kind", sa.String(16), nullable=False),
-    sa.Column("spec", sa.Text, nullable=False),
-    sa.Column("args", sa.Text, nullable=False),
-    sa.Column("kwargs", sa.Text, nullable=False),
-    sa.Column("options", sa.Text, nullable=False),
+    sa.Column("spec", TEXT, nullable=False),
+    sa.Column("args", TEXT, nullable=False),
+    sa.Column("kwargs", TEXT, nullable=False),
+    sa.Column("options", TEXT, nullable=False),
     sa.Column("enabled", sa.Boolean, nullable=False),
-    sa.Column("updated_at", sa.Float(precision=53), nullable=False),
+    sa.Column("updated_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
 )
 
 #: Persistent drain requests: a drained name stays drained across restarts until undrain.
@@ -150,5 +160,6 @@ drains = sa.Table(
     metadata,
     sa.Column("worker_id", sa.String(255), primary_key=True),
     sa.Column("requested_by", sa.String(255), nullable=False),
-    sa.Column("requested_at", sa.Float(precision=53), nullable=False),
+    sa.Column("requested_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
 )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from celery_pulse.store.sql.types import SECONDS, TABLE_OPTIONS, TEXT
+
 revision = "0001"
 down_revision = None
 branch_labels = None
@@ -20,11 +22,12 @@ def upgrade() -> None:
         "pulse_workers",
         sa.Column("worker_id", sa.String(255), primary_key=True),
         sa.Column("token", sa.String(64), nullable=False),
-        sa.Column("labels", sa.Text, nullable=False),
-        sa.Column("registered_at", sa.Float(precision=53), nullable=False),
-        sa.Column("last_heartbeat", sa.Float(precision=53), nullable=False),
-        sa.Column("expires_at", sa.Float(precision=53), nullable=False),
+        sa.Column("labels", TEXT, nullable=False),
+        sa.Column("registered_at", SECONDS, nullable=False),
+        sa.Column("last_heartbeat", SECONDS, nullable=False),
+        sa.Column("expires_at", SECONDS, nullable=False),
         sa.Column("draining", sa.Boolean, nullable=False, server_default=sa.false()),
+        **TABLE_OPTIONS,
     )
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from celery_pulse.store.sql.types import BLOB, SECONDS, TABLE_OPTIONS, TEXT
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None
 
-_ts = sa.Float(precision=53)
+_ts = SECONDS
 
 
 def upgrade() -> None:
@@ -31,10 +33,10 @@ def upgrade() -> None:
         sa.Column("max_attempts", sa.Integer, nullable=False),
         sa.Column("policy", sa.String(16), nullable=False),
         sa.Column("retries", sa.Integer, nullable=False),
-        sa.Column("body", sa.LargeBinary, nullable=False),
-        sa.Column("headers", sa.Text, nullable=False),
-        sa.Column("properties", sa.Text, nullable=False),
-        sa.Column("delivery_info", sa.Text, nullable=False),
+        sa.Column("body", BLOB, nullable=False),
+        sa.Column("headers", TEXT, nullable=False),
+        sa.Column("properties", TEXT, nullable=False),
+        sa.Column("delivery_info", TEXT, nullable=False),
         sa.Column("content_type", sa.String(128), nullable=False),
         sa.Column("content_encoding", sa.String(64), nullable=False),
         sa.Column("created_at", _ts, nullable=False),
@@ -42,7 +44,8 @@ def upgrade() -> None:
         sa.Column("started_at", _ts),
         sa.Column("finished_at", _ts),
         sa.Column("outcome", sa.String(32)),
-        sa.Column("error", sa.Text),
+        sa.Column("error", TEXT),
+        **TABLE_OPTIONS,
     )
     op.create_index("ix_pulse_claims_state_lease", "pulse_claims", ["state", "lease_until"])
     op.create_index("ix_pulse_claims_holder", "pulse_claims", ["holder"])
@@ -55,8 +58,9 @@ def upgrade() -> None:
         sa.Column("epoch", sa.BigInteger, nullable=False),
         sa.Column("holder", sa.String(255), nullable=False),
         sa.Column("outcome", sa.String(32), nullable=False),
-        sa.Column("error", sa.Text),
+        sa.Column("error", TEXT),
         sa.Column("recorded_at", _ts, nullable=False),
+        **TABLE_OPTIONS,
     )
     op.create_index("ix_pulse_evidence_task_id", "pulse_evidence", ["task_id"])
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from celery_pulse.store.sql.types import SECONDS, TABLE_OPTIONS, TEXT
+
 revision = "0003"
 down_revision = "0002"
 branch_labels = None
@@ -23,9 +25,10 @@ def upgrade() -> None:
         sa.Column("task_id", sa.String(255), nullable=False),
         sa.Column("action", sa.String(16), nullable=False),
         sa.Column("outcome", sa.String(32)),
-        sa.Column("note", sa.Text),
+        sa.Column("note", TEXT),
         sa.Column("decided_by", sa.String(255), nullable=False),
-        sa.Column("decided_at", sa.Float(precision=53), nullable=False),
+        sa.Column("decided_at", SECONDS, nullable=False),
+        **TABLE_OPTIONS,
     )
     op.create_index("ix_pulse_reviews_task_id", "pulse_reviews", ["task_id"])
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from celery_pulse.store.sql.types import SECONDS, TABLE_OPTIONS
+
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
@@ -20,7 +22,8 @@ def upgrade() -> None:
         "pulse_drains",
         sa.Column("worker_id", sa.String(255), primary_key=True),
         sa.Column("requested_by", sa.String(255), nullable=False),
-        sa.Column("requested_at", sa.Float(precision=53), nullable=False),
+        sa.Column("requested_at", SECONDS, nullable=False),
+        **TABLE_OPTIONS,
     )
 
 
