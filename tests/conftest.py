@@ -48,6 +48,18 @@ def mariadb_url() -> Iterator[str]:
         database.drop()
 
 
+#: The server stores, for acceptance scenarios that run on each (``indirect`` params).
+SERVERS = ["postgres", "mariadb"]
+
+
+@pytest.fixture
+def server_url(request: pytest.FixtureRequest) -> str:
+    """A fresh PostgreSQL store; with ``parametrize("server_url", SERVERS, indirect=True)``
+    one of each server store."""
+    url: str = request.getfixturevalue(STORE_FIXTURES[getattr(request, "param", "postgres")])
+    return url
+
+
 @pytest.fixture(params=STORES)
 def store_url(request: pytest.FixtureRequest) -> str:
     """The store URL, once per store implementation (SQLite, PostgreSQL, MariaDB)."""

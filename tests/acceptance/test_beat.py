@@ -35,6 +35,7 @@ from celery_pulse.beat import slot_task_id
 from celery_pulse.store.base import LeaderInfo, ScheduleRow
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.store.sql.tables import beat_slots, beat_state, claims
+from tests.conftest import SERVERS
 from tests.helpers.workers import Env, Worker, wait_for
 
 LEADER_TTL = 3.0
@@ -85,8 +86,8 @@ class View:
 
 
 @pytest.fixture
-def view(pg_url: str) -> Iterator[View]:
-    v = View(pg_url)
+def view(server_url: str) -> Iterator[View]:
+    v = View(server_url)
     yield v
     v.store.close()
 
@@ -108,12 +109,13 @@ def log_time(match: re.Match[str]) -> float:
 
 # -- environment --------------------------------------------------------------------------
 @pytest.fixture
-def beat_env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env],
+def beat_env(server_url: str, rabbitmq_url: str, make_env: Callable[..., Env],
              tmp_path: Path) -> Callable[..., Env]:
-    """An Env on PostgreSQL + RabbitMQ running ``tests.apps.beatapp``."""
+    """An Env on PostgreSQL (or ``server_url``'s store) + RabbitMQ running
+    ``tests.apps.beatapp``."""
 
     def factory(entries: dict[str, float], **conf: Any) -> Env:
-        env = make_env(pg_url, rabbitmq_url, {
+        env = make_env(server_url, rabbitmq_url, {
             **FAST, **conf, "test_beat": entries, "test_journal": str(tmp_path / "ticks.log")})
         env.app = APP
         return env
@@ -216,6 +218,7 @@ def wait_more_slots(view: View, n: int, timeout: float = 15, entry: str = "tick"
 
 
 # -- the tests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("server_url", SERVERS, indirect=True)
 def test_crashes_and_a_pause_of_the_leader_fire_every_slot_exactly_once(
         beat_env: Callable[..., Env], workers: Callable[..., Worker], view: View,
         tmp_path: Path) -> None:

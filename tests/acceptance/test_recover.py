@@ -31,6 +31,7 @@ from celery_pulse.errors import Terminal
 from celery_pulse.store.base import ClaimInfo
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.store.sql.tables import reviews
+from tests.conftest import SERVERS
 from tests.helpers.workers import Env, Worker, wait_for
 
 APP = "tests.apps.recoverapp"
@@ -122,8 +123,9 @@ def client() -> Iterator[Callable[..., Celery]]:
 
 
 @pytest.fixture
-def pg_store(pg_url: str) -> Iterator[SqlStore]:
-    store = open_store(pg_url, check_schema=False)
+def claims_store(server_url: str) -> Iterator[SqlStore]:
+    """The store the test's workers use (PostgreSQL unless ``server_url`` says otherwise)."""
+    store = open_store(server_url, check_schema=False)
     store.migrate()
     yield store
     store.close()
@@ -144,10 +146,11 @@ def start_all(env: Env, workers: Callable[..., Worker], *names: str,
 
 
 # -- 2. plain task on a killed worker: needs review, not re-run -------------------------------
+@pytest.mark.parametrize("server_url", SERVERS, indirect=True)
 def test_killed_plain_task_needs_review_then_retry_and_resolve(
-        pg_url: str, pg_store: SqlStore, broker: str, renv: Callable[..., Env],
+        server_url: str, claims_store: SqlStore, broker: str, renv: Callable[..., Env],
         workers: Callable[..., Worker], client: Callable[..., Celery], tmp_path: Path) -> None:
-    env = renv(pg_url, broker, FAST)
+    env = renv(server_url, broker, FAST)
     journal, gate = tmp_path / "journal.txt", tmp_path / "gate"
     (a,) = start_all(env, workers, "a@%h", concurrency=2)
     producer = client(broker)
@@ -158,7 +161,7 @@ def test_killed_plain_task_needs_review_then_retry_and_resolve(
 
     a.kill()
     killed = time.time()
-    wait_for(lambda: {i.task_id for i in pg_store.list_review()} >= {t1, t2},
+    wait_for(lambda: {i.task_id for i in claims_store.list_review()} >= {t1, t2},
              BOUND + SLACK + 10, "both tasks to need review")
     delay = time.time() - killed
     print(f"\nplain kill -> needs_review (store poll) [{broker.split(':')[0]}]: {delay:.3f}s")
@@ -178,17 +181,17 @@ def test_killed_plain_task_needs_review_then_retry_and_resolve(
     while time.monotonic() < window_end:
         assert len(events_of(journal, t1)) == 1 and len(events_of(journal, t2)) == 1
         time.sleep(0.1)
-    assert claim(pg_store, t1).state == claim(pg_store, t2).state == "needs_review"
+    assert claim(claims_store, t1).state == claim(claims_store, t2).state == "needs_review"
 
     retried = env.celery("pulse", "review", "retry", t1, "--note", "checked: not applied")
     assert retried.returncode == 0, retried.stderr
-    done = wait_for(lambda: claim_in(pg_store, t1, "succeeded"), 20, "the retried task to succeed")
+    done = wait_for(lambda: claim_in(claims_store, t1, "succeeded"), 20, "the retried task to succeed")
     assert [short(e.host) for e in events_of(journal, t1, "end")] == ["b"]
 
     resolved = env.celery("pulse", "review", "resolve", t2, "--outcome", "failed",
                           "--note", "customer refunded")
     assert resolved.returncode == 0, resolved.stderr
-    assert claim(pg_store, t2).state == "failed"
+    assert claim(claims_store, t2).state == "failed"
     # Both decided: status is healthy again (this CLI call also spans a second observation
     # window in which the retried task must not run a second time).
     assert env.celery("pulse", "status").returncode == 0
@@ -196,7 +199,7 @@ def test_killed_plain_task_needs_review_then_retry_and_resolve(
     assert len(starts) == 2 and starts[1].epoch == done.epoch, starts
     assert len(events_of(journal, t2)) == 1 and not events_of(journal, t2, "end")
 
-    with pg_store.engine.connect() as conn:
+    with claims_store.engine.connect() as conn:
         audit = conn.execute(sa.select(reviews.c.task_id, reviews.c.action, reviews.c.outcome,
                                        reviews.c.note, reviews.c.decided_by)
                              .order_by(reviews.c.id)).all()
@@ -207,14 +210,15 @@ def test_killed_plain_task_needs_review_then_retry_and_resolve(
 
 
 # -- 3. three scanners over 200 expired reservations ------------------------------------------
+@pytest.mark.parametrize("server_url", SERVERS, indirect=True)
 def test_three_workers_recover_200_expired_reservations_exactly_once(
-        pg_url: str, pg_store: SqlStore, rabbitmq_url: str, renv: Callable[..., Env],
+        server_url: str, claims_store: SqlStore, rabbitmq_url: str, renv: Callable[..., Env],
         workers: Callable[..., Worker], client: Callable[..., Celery], tmp_path: Path) -> None:
     # The hoarder prefetches without limit (multiplier 0) and its only pool process is
     # busy with a long task, so it reserves all 200 real deliveries and runs none.
-    hoard_env = renv(pg_url, rabbitmq_url, {**FAST, "worker_prefetch_multiplier": 0})
+    hoard_env = renv(server_url, rabbitmq_url, {**FAST, "worker_prefetch_multiplier": 0})
     # Small batches: the three scanners interleave instead of one taking everything.
-    env = renv(pg_url, rabbitmq_url, {**FAST, "pulse_recover_batch": 5})
+    env = renv(server_url, rabbitmq_url, {**FAST, "pulse_recover_batch": 5})
     journal, block_journal = tmp_path / "journal.txt", tmp_path / "block.txt"
     (hoarder,) = start_all(hoard_env, workers, "hoard@%h")
     producer = client(rabbitmq_url)
@@ -223,20 +227,20 @@ def test_three_workers_recover_200_expired_reservations_exactly_once(
     wait_for(lambda: events_of(block_journal, blocker), 20, "the blocker to start")
     ids = [producer.send_task("recoverapp.plain", args=[str(journal)], queue=env.queue).id
            for _ in range(200)]
-    wait_for(lambda: pg_store.claim_counts().get("reserved") == 200, 30,
+    wait_for(lambda: claims_store.claim_counts().get("reserved") == 200, 30,
              "200 reservations held by the hoarder")
     assert not read_journal(journal)
 
     scanners = start_all(env, workers, "r0@%h", "r1@%h", "r2@%h")
     hoarder.kill()
-    wait_for(lambda: pg_store.claim_counts().get("succeeded") == 200, 90,
+    wait_for(lambda: claims_store.claim_counts().get("succeeded") == 200, 90,
              "all 200 tasks to succeed")
 
     starts = Counter(e.task_id for e in read_journal(journal) if e.kind == "start")
     assert set(starts) == set(ids)
     assert [t for t, n in starts.items() if n != 1] == []
     assert {e.epoch for e in read_journal(journal)} == {3}
-    for c in pg_store.list_claims(["succeeded"], limit=1000):
+    for c in claims_store.list_claims(["succeeded"], limit=1000):
         assert (c.epoch, c.attempts) == (3, 2), c
 
     pattern = re.compile(r"pulse: recovered recoverapp\.plain\[([0-9a-f-]+)\] \(was reserved\): "
@@ -252,17 +256,18 @@ def test_three_workers_recover_200_expired_reservations_exactly_once(
     assert sum(1 for found in by_scanner.values() if found) >= 2, by_scanner
 
     # The started blocker was not re-run: it waits for review.
-    assert claim(pg_store, blocker).state == "needs_review"
+    assert claim(claims_store, blocker).state == "needs_review"
     assert len(events_of(block_journal, blocker)) == 1
 
 
 # -- 4. killed on every attempt: failed after the budget ---------------------------------------
 def test_task_killed_on_every_attempt_fails_after_max_attempts(
-        pg_url: str, pg_store: SqlStore, rabbitmq_url: str, redis_url: str,
+        server_url: str, claims_store: SqlStore, rabbitmq_url: str, redis_url: str,
         renv: Callable[..., Env], workers: Callable[..., Worker],
         client: Callable[..., Celery], tmp_path: Path) -> None:
     backend = redis_url.rsplit("/", 1)[0] + "/1"
-    env = renv(pg_url, rabbitmq_url, {**FAST, "pulse_max_attempts": 2, "result_backend": backend})
+    env = renv(server_url, rabbitmq_url, {**FAST, "pulse_max_attempts": 2,
+                                          "result_backend": backend})
     ws = start_all(env, workers, "k0@%h", "k1@%h", "k2@%h")
     journal = tmp_path / "journal.txt"
     task_id = client(rabbitmq_url).send_task("recoverapp.doomed", args=[str(journal)],
@@ -270,7 +275,7 @@ def test_task_killed_on_every_attempt_fails_after_max_attempts(
     # Read through the result backend only (no pub/sub subscription left behind).
     result: AsyncResult = AsyncResult(task_id, app=client(rabbitmq_url, backend))
 
-    failed = wait_for(lambda: claim_in(pg_store, task_id, "failed"),
+    failed = wait_for(lambda: claim_in(claims_store, task_id, "failed"),
                       2 * (BOUND + SLACK) + 20, "the claim to fail")
     starts = events_of(journal, task_id)
     # Attempt 1 (epoch 1) killed; Recover re-opened it (epoch 2); attempt 2 (epoch 3)

@@ -38,6 +38,11 @@ class Dialect:
         else:  # pragma: no cover - settings validation rejects other schemes
             raise ValueError(f"unsupported dialect {name}")
 
+    @property
+    def clock(self) -> str:
+        """The store clock as SQL text (for hand-written statements)."""
+        return self._now
+
     def now(self) -> sa.ColumnElement[float]:
         """The store clock as an SQL expression."""
         return sa.literal_column(self._now, sa.Float(precision=53))
