@@ -88,6 +88,14 @@ def pg_store(pg_url: str) -> Iterator[SqlStore]:
     store.close()
 
 
+@pytest.fixture(params=SERVERS)
+def server_store(request: pytest.FixtureRequest) -> Iterator[SqlStore]:
+    """The SQL store on each server (PostgreSQL, MariaDB): row locks, session timeouts."""
+    store = _migrated(request.getfixturevalue(STORE_FIXTURES[request.param]))
+    yield store
+    store.close()
+
+
 @pytest.fixture
 def private_pg() -> Iterator[PrivatePostgres]:
     """A PostgreSQL server of this test's own, which the test may stop and start."""

@@ -702,11 +702,11 @@ def test_fenced_rejects_another_database_and_open_transactions(
     engine.dispose()
 
 
-def test_renew_skips_a_row_held_by_a_fenced_transaction_as_busy(pg_store: SqlStore) -> None:
-    """PostgreSQL: a lease whose row another transaction holds is reported ``busy``: still
-    valid, not extended, and the renewal does not wait for the lock. (SQLite locks the
-    whole database: there are no row locks to skip.)"""
-    sql_store = pg_store
+def test_renew_skips_a_row_held_by_a_fenced_transaction_as_busy(server_store: SqlStore) -> None:
+    """PostgreSQL, MariaDB: a lease whose row another transaction holds is reported
+    ``busy``: still valid, not extended, and the renewal does not wait for the lock.
+    (SQLite locks the whole database: there are no row locks to skip.)"""
+    sql_store = server_store
     held, free = grant(sql_store, W1, request()), grant(sql_store, W1, request())
     before = row(sql_store, held.task_id).lease_until
     with sql_store.engine.connect() as locker:
@@ -720,10 +720,11 @@ def test_renew_skips_a_row_held_by_a_fenced_transaction_as_busy(pg_store: SqlSto
     assert row(sql_store, held.task_id).lease_until == before
 
 
-def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(pg_store: SqlStore) -> None:
-    """PostgreSQL: a holder paused inside ``lease.fenced`` never pins the claim row (the
-    transaction timeouts are PostgreSQL settings)."""
-    sql_store = pg_store
+def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(
+        server_store: SqlStore) -> None:
+    """PostgreSQL, MariaDB: a holder paused inside ``lease.fenced`` never pins the claim
+    row (the transaction timeouts are server settings)."""
+    sql_store = server_store
     g = grant(sql_store, W1, request())
     assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
     ttl = 0.5
@@ -735,7 +736,9 @@ def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(pg_store: S
             conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="x"))
             # Another session can take the row once the idle transaction is gone.
             with sql_store.engine.begin() as other:
-                other.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+                other.exec_driver_sql("SET LOCAL lock_timeout = '5s'"
+                                      if sql_store.dialect.is_postgres
+                                      else "SET SESSION innodb_lock_wait_timeout = 5")
                 taken = other.execute(sa.update(claims).where(claims.c.task_id == g.task_id)
                                       .values(holder="thief")).rowcount
             assert taken == 1

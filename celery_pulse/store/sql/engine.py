@@ -12,6 +12,11 @@ from sqlalchemy.engine import make_url
 #: How long a SQLite writer waits for the lock held by another process.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
+#: How long a session of the store may sit idle inside a transaction before the server
+#: ends it. pulse's own transactions never idle (a few statements back to back), so
+#: only a process paused mid-transaction (SIGSTOP, a frozen VM) meets it: its row locks
+#: (a beat slot, the leader's row, claims) are freed in seconds, not when it wakes.
+IDLE_IN_TRANSACTION_S = 2
 
 
 def make_engine(url: str) -> sa.Engine:
@@ -22,8 +27,18 @@ def make_engine(url: str) -> sa.Engine:
     if parsed.get_backend_name() in ("mysql", "mariadb"):
         return _mysql_engine(parsed)
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
-    return sa.create_engine(parsed, pool_size=4, max_overflow=8,
-                            connect_args=connect_args)
+    engine = sa.create_engine(parsed, pool_size=4, max_overflow=8,
+                              connect_args=connect_args)
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # A session setting, not the URL's ``options`` (which may carry search_path).
+        with dbapi_conn.cursor() as cur:
+            cur.execute(f"SET idle_in_transaction_session_timeout = "
+                        f"{IDLE_IN_TRANSACTION_S * 1000}")
+        dbapi_conn.commit()
+
+    return engine
 
 
 def _mysql_engine(parsed: sa.URL) -> sa.Engine:
@@ -45,8 +60,17 @@ def _mysql_engine(parsed: sa.URL) -> sa.Engine:
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S,
                                     "charset": "utf8mb4"}
     # The server closes idle connections after wait_timeout (8 h by default).
-    return sa.create_engine(parsed, pool_size=4, max_overflow=8, pool_recycle=3600,
-                            isolation_level="READ COMMITTED", connect_args=connect_args)
+    engine = sa.create_engine(parsed, pool_size=4, max_overflow=8, pool_recycle=3600,
+                              isolation_level="READ COMMITTED", connect_args=connect_args)
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        with dbapi_conn.cursor() as cur:
+            cur.execute("SELECT @@version")
+            if "mariadb" in str(cur.fetchone()[0]).lower():  # MySQL has no equivalent
+                cur.execute(f"SET SESSION idle_transaction_timeout = {IDLE_IN_TRANSACTION_S}")
+
+    return engine
 
 
 def _sqlite_engine(parsed: sa.URL) -> sa.Engine:

@@ -144,8 +144,8 @@ def _cap_mysql_session(conn: sa.Connection, ttl: float) -> dict[str, Any]:
 def _restore(conn: sa.Connection, saved: dict[str, Any]) -> None:
     """Put the caller's session settings back (best effort: a connection the server
     closed for idling is discarded by the pool anyway)."""
-    if not saved:
+    if not saved or conn.invalidated:
         return
-    with suppress(sa_exc.DBAPIError):
+    with suppress(sa_exc.SQLAlchemyError):
         conn.exec_driver_sql("SET " + ", ".join(f"SESSION {name} = {value}"
                                                 for name, value in saved.items()))

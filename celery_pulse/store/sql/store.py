@@ -231,8 +231,8 @@ class SqlStore(Store):
     def deregister(self, worker_id: str, token: str) -> bool:
         stmt = sa.delete(workers).where(workers.c.worker_id == worker_id,
                                         workers.c.token == token)
-        with translated("deregister"), self.engine.begin() as conn:
-            return conn.execute(stmt).rowcount > 0
+        with translated("deregister"), self._single() as conn:
+            return bool(conn.execute(stmt).rowcount > 0)
 
     def list_workers(self) -> list[WorkerInfo]:
         now = sa.select(self._now).scalar_subquery()
@@ -869,8 +869,8 @@ class SqlStore(Store):
         stmt = (sa.update(beat_slots)
                 .where(beat_slots.c.entry == entry, beat_slots.c.due_at == due_at)
                 .values(published_at=self._now))
-        with translated("mark_slot_published"), self.engine.begin() as conn:
-            conn.execute(stmt)
+        with translated("mark_slot_published"), self._single() as conn:
+            conn.execute(stmt)  # autocommit: a pause never holds the slot's row lock
 
     def unpublished_slots(self, limit: int = 100) -> list[Slot]:
         stmt = (sa.select(beat_slots).where(beat_slots.c.published_at.is_(None))
