@@ -5,10 +5,16 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+#: A drain scheduled this long ago that has not run is presumed lost and scheduled again.
+#: kombu's hub runs the callbacks it popped in one go: one that raises (an ack on a
+#: connection the broker just closed) throws away the rest, ours included.
+STALE = 0.5
 
 
 class LoopCaller:
@@ -19,12 +25,14 @@ class LoopCaller:
     callables run inline.
     """
 
-    def __init__(self, hub: Any) -> None:
+    def __init__(self, hub: Any, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.hub = hub
         self._queue: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
             collections.deque())
         self._lock = threading.Lock()
         self._scheduled = False
+        self._scheduled_at = 0.0
+        self._monotonic = monotonic
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         if self.hub is None:
@@ -32,9 +40,19 @@ class LoopCaller:
             return
         with self._lock:
             self._queue.append((fn, args))
-            if self._scheduled:
+            now = self._monotonic()
+            if self._scheduled and now - self._scheduled_at < STALE:
                 return
-            self._scheduled = True
+            self._scheduled, self._scheduled_at = True, now
+        self.hub.call_soon(self._drain)
+
+    def rearm(self) -> None:
+        """Schedule a drain whatever became of the last one (after a broker reconnect,
+        the hub may have dropped it); a spare drain finds nothing and returns."""
+        if self.hub is None:
+            return
+        with self._lock:
+            self._scheduled, self._scheduled_at = True, self._monotonic()
         self.hub.call_soon(self._drain)
 
     def later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:

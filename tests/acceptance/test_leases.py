@@ -23,17 +23,16 @@ import sqlalchemy as sa
 from celery import Celery
 from kombu import Connection
 
+from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.tables import claims
-from tests.conftest import filesystem_broker
-from tests.helpers.pg import PrivatePostgres
+from tests.conftest import SERVERS, filesystem_broker
+from tests.helpers.mariadb import PRIVATE_SERVERS, PrivateServer
 from tests.helpers.publish import publish_raw
 from tests.helpers.workers import Env, Worker, wait_for
 
 FAST: dict[str, Any] = {"pulse_lease_ttl": 3, "pulse_renew_interval": 0.5,
                         "pulse_revoke_grace": 2, "pulse_worker_ttl": 3,
                         "pulse_heartbeat_interval": 0.5}
-#: PostgreSQL's store clock, as the store itself evaluates it.
-PG_NOW = "extract(epoch from clock_timestamp())"
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -54,6 +53,8 @@ class Claims:
 
     def __init__(self, url: str) -> None:
         self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        #: The store clock in SQL, as the store evaluates it.
+        self.now = Dialect(self.engine.dialect.name).clock
 
     def rows(self) -> dict[str, Any]:
         with self.engine.connect() as conn:
@@ -289,14 +290,15 @@ def _ready_in_redis(env: Env, task_ids: list[str]) -> int:
 
 
 # -- 2. long tasks are renewed throughout ------------------------------------------------------
+@pytest.mark.parametrize("server_url", SERVERS, indirect=True)
 def test_task_running_five_lease_ttls_completes_once_under_epoch_1(
-        pg_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        server_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
         workers: Callable[..., Worker], db: Callable[[str], Claims]) -> None:
     ttl = 2.0
-    env = make_env(pg_url, rabbitmq_url, {**FAST, "pulse_lease_ttl": ttl,
+    env = make_env(server_url, rabbitmq_url, {**FAST, "pulse_lease_ttl": ttl,
                                           "pulse_renew_interval": 0.4})
     w = workers(env, "long@%h").wait_ready()
-    store_db = db(pg_url)
+    store_db = db(server_url)
     path = tmp_path / "long.txt"
     with producer(env) as client:
         task_id = client.send_task("pulseapp.leased_sleep", args=[5 * ttl, str(path)]).id
@@ -409,26 +411,27 @@ def test_redis_visibility_timeout_does_not_rerun_and_republish_is_dropped(
 # -- 4. a paused holder is fenced ------------------------------------------------------------------
 def _take_over(store_db: Claims, task_id: str, expired_only: bool = True) -> int:
     """Grant the claim to someone else the way Recover would: epoch + 1, new token."""
-    cond = f"AND lease_until <= {PG_NOW}" if expired_only else ""
-    row = store_db.execute(
+    cond = f"AND lease_until <= {store_db.now}" if expired_only else ""
+    taken = store_db.execute(
         f"UPDATE pulse_claims SET epoch = epoch + 1, holder = 'thief', token = :tok, "
-        f"lease_until = {PG_NOW} + 60 WHERE task_id = :tid {cond} RETURNING epoch",
-        tok="x" * 32, tid=task_id).first()
-    assert row is not None, "the claim could not be taken over"
-    return int(row.epoch)
+        f"lease_until = {store_db.now} + 60 WHERE task_id = :tid {cond}",
+        tok="x" * 32, tid=task_id).rowcount
+    assert taken == 1, "the claim could not be taken over"
+    return int(store_db.get(task_id).epoch)
 
 
+@pytest.mark.parametrize("server_url", SERVERS, indirect=True)
 @pytest.mark.parametrize("paused", [True, False], ids=["sigstop", "live"])
 def test_taken_over_holder_gets_lease_lost_and_its_fenced_writes_are_rejected(
-        paused: bool, pg_url: str, rabbitmq_url: str, tmp_path: Path,
+        paused: bool, server_url: str, rabbitmq_url: str, tmp_path: Path,
         make_env: Callable[..., Env], workers: Callable[..., Worker],
         db: Callable[[str], Claims]) -> None:
     """``sigstop``: the whole worker is paused past the lease TTL and the claim is granted
     to someone else meanwhile. ``live``: the claim is taken over while the task runs, so
     until the next renewal only the store-side check of ``lease.fenced`` stands between
     the stale holder (writing every 50 ms) and the table."""
-    env = make_env(pg_url, rabbitmq_url, FAST)
-    store_db = db(pg_url)
+    env = make_env(server_url, rabbitmq_url, FAST)
+    store_db = db(server_url)
     table = "fence_rows_" + uuid.uuid4().hex[:8]
     store_db.execute(f"CREATE TABLE {table} (task_id text, epoch bigint, seq int)")
 
@@ -446,7 +449,7 @@ def test_taken_over_holder_gets_lease_lost_and_its_fenced_writes_are_rejected(
         w.signal(signal.SIGSTOP)
         # Past the lease TTL, the store sees the lease expired (store clock) ...
         wait_for(lambda: store_db.execute(
-            f"SELECT lease_until <= {PG_NOW} AS expired FROM pulse_claims WHERE task_id = :t",
+            f"SELECT lease_until <= {store_db.now} AS expired FROM pulse_claims WHERE task_id = :t",
             t=task_id).scalar_one(), FAST["pulse_lease_ttl"] + 5, "the lease to expire")
     # ... and someone else is granted the task. (If the child was stopped inside a
     # fenced block, this waits until the block's transaction times out: <= TTL.)
@@ -526,22 +529,40 @@ def test_reservation_lost_while_waiting_is_dropped_not_run(
 
 
 # -- 5. store outage: self-fence before the store could re-grant -------------------------------
+@pytest.fixture
+def private_server(request: pytest.FixtureRequest) -> PrivateServer:
+    """A private store server of the kind in ``request.param``, which the test stops."""
+    server: PrivateServer = request.getfixturevalue(PRIVATE_SERVERS[request.param])
+    return server
+
+
+def _audit_leases(store_db: Claims) -> None:
+    """Keep every lease_until the store ever grants in ``lease_audit`` (Recover may
+    rewrite the claim row later)."""
+    store_db.execute("CREATE TABLE lease_audit (task_id varchar(255), epoch bigint, "
+                     "holder varchar(255), lease_until double precision)")
+    insert = ("INSERT INTO lease_audit VALUES (NEW.task_id, NEW.epoch, NEW.holder, "
+              "NEW.lease_until)")
+    if store_db.engine.dialect.name == "postgresql":
+        store_db.execute("CREATE FUNCTION audit_lease() RETURNS trigger LANGUAGE plpgsql "
+                         f"AS $$ BEGIN {insert}; RETURN NEW; END $$")
+        store_db.execute("CREATE TRIGGER audit_lease AFTER INSERT OR UPDATE ON pulse_claims "
+                         "FOR EACH ROW EXECUTE FUNCTION audit_lease()")
+    else:  # MySQL/MariaDB: one trigger per event, the body a single statement
+        for event in ("INSERT", "UPDATE"):
+            store_db.execute(f"CREATE TRIGGER audit_lease_{event.lower()} AFTER {event} "
+                             f"ON pulse_claims FOR EACH ROW {insert}")
+
+
+@pytest.mark.parametrize("private_server", list(PRIVATE_SERVERS), indirect=True)
 def test_store_outage_self_fences_running_task_and_pauses_intake(
-        private_pg: PrivatePostgres, rabbitmq_url: str, tmp_path: Path,
+        private_server: PrivateServer, rabbitmq_url: str, tmp_path: Path,
         make_env: Callable[..., Env], workers: Callable[..., Worker],
         db: Callable[[str], Claims]) -> None:
     ttl = FAST["pulse_lease_ttl"]
-    env = make_env(private_pg.url, rabbitmq_url, FAST)
-    store_db = db(private_pg.url)
-    # Keep every lease_until the store ever grants (Recover may rewrite the row later).
-    store_db.execute("CREATE TABLE lease_audit (task_id text, epoch bigint, holder text, "
-                     "lease_until float8)")
-    store_db.execute(
-        "CREATE FUNCTION audit_lease() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-        "INSERT INTO lease_audit VALUES (NEW.task_id, NEW.epoch, NEW.holder, NEW.lease_until); "
-        "RETURN NEW; END $$")
-    store_db.execute("CREATE TRIGGER audit_lease AFTER INSERT OR UPDATE ON pulse_claims "
-                     "FOR EACH ROW EXECUTE FUNCTION audit_lease()")
+    env = make_env(private_server.url, rabbitmq_url, FAST)
+    store_db = db(private_server.url)
+    _audit_leases(store_db)
     w = workers(env, "outage@%h").wait_ready()
     path = tmp_path / "watched.txt"
     marker = tmp_path / "meanwhile.txt"
@@ -549,7 +570,7 @@ def test_store_outage_self_fences_running_task_and_pauses_intake(
         task_id = client.send_task("pulseapp.leased_sleep", args=[60, str(path)]).id
         wait_event(path, "start", 20, (w,))
         wait_for(lambda: store_db.state(task_id) == "running", 10, "the claim to be running")
-        private_pg.stop()
+        private_server.stop()
         stopped = time.time()
         # Delivered while the store is down: it cannot be reserved, so it is neither
         # acknowledged nor run, and the worker stops consuming.
@@ -562,7 +583,7 @@ def test_store_outage_self_fences_running_task_and_pauses_intake(
         while time.monotonic() < deadline:
             assert not marker.exists()
             time.sleep(0.1)
-        private_pg.start()
+        private_server.start()
         wait_for(marker.exists, 40, "the task sent during the outage to run")
     granted = store_db.execute(
         "SELECT max(lease_until) FROM lease_audit WHERE task_id = :t AND epoch = 1",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import shutil
 import signal
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tests.helpers.pg import PrivatePostgres
+from tests.helpers.mariadb import PrivateServer
 from tests.helpers.workers import Env, Worker
 
 
@@ -108,7 +109,7 @@ class Cluster:
 class Nemesis(threading.Thread):
     """Every 2 to 4 s one fault, chosen by a seeded RNG; faults heal before the next."""
 
-    def __init__(self, seed: int, cluster: Cluster, store: PrivatePostgres,
+    def __init__(self, seed: int, cluster: Cluster, store: PrivateServer,
                  broker_fault: Callable[[], None], duration: float) -> None:
         super().__init__(name="nemesis", daemon=True)
         self.rng = random.Random(seed)
@@ -132,9 +133,15 @@ class Nemesis(threading.Thread):
     def _run(self) -> None:
         end = time.monotonic() + self.duration
         names = sorted(self.cluster.workers)
-        while time.monotonic() < end and not self._stop_event.is_set():
+        # One of the first three faults stops the store: every run has a store outage.
+        store_at = self.rng.randrange(3)
+        for step in itertools.count():
+            if time.monotonic() >= end or self._stop_event.is_set():
+                break
             self._stop_event.wait(self.rng.uniform(2.0, 4.0))
             action = self.rng.choice(["kill", "kill", "pause", "broker", "store"])
+            if step == store_at:
+                action = "store"
             name = self.rng.choice(names)
             if action == "kill":
                 self.note(f"SIGKILL {name}")

@@ -5,6 +5,10 @@ non-idempotent, retrying) and a 1 s beat schedule while a seeded nemesis SIGKILL
 and SIGSTOPs workers, drops the broker and stops the store. Then the checker reads
 the history and the store and asserts every invariant (see ``checker.check``).
 
+The store is a private PostgreSQL server; the RabbitMQ scenario runs on a private
+MariaDB server too. The history stays on the shared PostgreSQL: the nemesis never
+touches it.
+
 Replay a run with ``PULSE_FAULT_SEED=<seed>``; soak by hand with
 ``PULSE_FAULT_DURATION=600``. Each scenario prints its summary line.
 """
@@ -22,11 +26,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 
 from tests.fault.checker import ClaimState, Event, Report, check
 from tests.fault.nemesis import Cluster, Nemesis, PrivateRedis, rabbit_fault, redis_fault
 from tests.helpers import services
-from tests.helpers.pg import PrivatePostgres, Schema
+from tests.helpers.mariadb import PRIVATE_SERVERS, PrivateServer
+from tests.helpers.pg import Schema
 from tests.helpers.workers import Env, Worker, wait_for
 
 DURATION = float(os.environ.get("PULSE_FAULT_DURATION", "24"))
@@ -121,8 +127,9 @@ def _settled(env: Env, submitted: list[str]) -> bool:
     try:
         with engine.connect() as conn:
             done = conn.execute(sa.text(
-                "select count(*) from pulse_claims where task_id = any(:ids) and state in "
-                "('succeeded', 'failed', 'needs_review')"), {"ids": submitted}).scalar_one()
+                "select count(*) from pulse_claims where task_id in :ids and state in "
+                "('succeeded', 'failed', 'needs_review')").bindparams(
+                    sa.bindparam("ids", expanding=True)), {"ids": submitted}).scalar_one()
         return int(done) == len(submitted)
     except sa.exc.OperationalError:
         return False
@@ -130,10 +137,11 @@ def _settled(env: Env, submitted: list[str]) -> bool:
         engine.dispose()
 
 
-def _run_scenario(name: str, env: Env, store: PrivatePostgres, history: str,
+def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
                   workers: Callable[..., Worker], broker_fault: Callable[[], None],
                   skews: dict[str, float] | None = None) -> Report:
     seed = _seed()
+    name = f"{name} on {make_url(env.store_url).get_backend_name()}"
     engine = sa.create_engine(env.store_url)
     with engine.begin() as conn:
         conn.execute(sa.text("create table if not exists fault_effects "
@@ -176,40 +184,52 @@ def _run_scenario(name: str, env: Env, store: PrivatePostgres, history: str,
     assert not report.violations, (f"[{name}] seed {seed}: {len(report.violations)} invariant "
                                    f"violation(s), first: {report.violations[:5]}")
     assert report.submitted >= DURATION  # the load actually ran
+    assert any("store down" in line for line in nemesis.log), "the store was never stopped"
     return report
 
 
 @pytest.fixture
-def fault_env(private_pg: PrivatePostgres, make_env: Callable[..., Env]) -> Callable[[str], Env]:
+def private_server(request: pytest.FixtureRequest) -> PrivateServer:
+    """The private store server the nemesis stops: PostgreSQL, or the kind named by
+    ``parametrize("private_server", PRIVATE_SERVERS, indirect=True)``."""
+    server: PrivateServer = request.getfixturevalue(
+        PRIVATE_SERVERS[getattr(request, "param", "postgres")])
+    return server
+
+
+@pytest.fixture
+def fault_env(private_server: PrivateServer, make_env: Callable[..., Env]
+              ) -> Callable[[str], Env]:
     def make(broker: str) -> Env:
-        env = make_env(private_pg.url, broker, {})
+        env = make_env(private_server.url, broker, {})
         env.app = "tests.apps.faultapp"
         return env
     return make
 
 
-def test_rabbitmq_scenario(fault_env: Callable[[str], Env], private_pg: PrivatePostgres,
+@pytest.mark.parametrize("private_server", list(PRIVATE_SERVERS), indirect=True)
+def test_rabbitmq_scenario(fault_env: Callable[[str], Env], private_server: PrivateServer,
                            rabbitmq_url: str, history: str,
                            workers: Callable[..., Worker]) -> None:
-    _run_scenario("rabbitmq", fault_env(rabbitmq_url), private_pg, history, workers,
+    _run_scenario("rabbitmq", fault_env(rabbitmq_url), private_server, history, workers,
                   rabbit_fault)
 
 
 def test_redis_scenario_with_broker_restarts(fault_env: Callable[[str], Env],
-                                             private_pg: PrivatePostgres, history: str,
+                                             private_server: PrivateServer, history: str,
                                              workers: Callable[..., Worker]) -> None:
     services.require("redis")
     redis = PrivateRedis().start()
     try:
-        _run_scenario("redis", fault_env(redis.url), private_pg, history, workers,
+        _run_scenario("redis", fault_env(redis.url), private_server, history, workers,
                       redis_fault(redis))
     finally:
         redis.destroy()
 
 
-def test_clock_skew_changes_nothing(fault_env: Callable[[str], Env], private_pg: PrivatePostgres,
-                                    rabbitmq_url: str, history: str,
-                                    workers: Callable[..., Worker]) -> None:
+def test_clock_skew_changes_nothing(fault_env: Callable[[str], Env],
+                                    private_server: PrivateServer, rabbitmq_url: str,
+                                    history: str, workers: Callable[..., Worker]) -> None:
     """Workers whose wall clock is an hour ahead / behind: the store clock judges."""
-    _run_scenario("skew", fault_env(rabbitmq_url), private_pg, history, workers, rabbit_fault,
-                  skews={"f1": 3600.0, "f2": -3600.0})
+    _run_scenario("skew", fault_env(rabbitmq_url), private_server, history, workers,
+                  rabbit_fault, skews={"f1": 3600.0, "f2": -3600.0})

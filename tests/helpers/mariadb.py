@@ -10,11 +10,26 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from celery_pulse.contrib.services import Database
 
-__all__ = ["Database", "PrivateMariaDB"]
+__all__ = ["PRIVATE_SERVERS", "Database", "PrivateMariaDB", "PrivateServer"]
+
+#: The fixture (tests/conftest.py) that makes a private server of each kind.
+PRIVATE_SERVERS = {"postgres": "private_pg", "mariadb": "private_mariadb"}
+
+
+class PrivateServer(Protocol):
+    """What ``PrivatePostgres`` and :class:`PrivateMariaDB` share: the store URL, and a
+    server a test stops at once (no clean shutdown) and starts again (returning once it
+    accepts connections)."""
+
+    url: str
+
+    def stop(self) -> None: ...
+
+    def start(self) -> object: ...
 
 
 def _mariadb_bin(*names: str) -> str:

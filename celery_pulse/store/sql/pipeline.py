@@ -69,7 +69,9 @@ class Pipeline:
                 raise StoreUnavailable(f"store unavailable during {where}: {exc}") from exc
 
     def close(self) -> None:
-        raw, self._raw, self._conn = self._raw, None, None
-        if raw is not None:
-            with contextlib.suppress(Exception):  # already broken: nothing left to close
-                raw.close()
+        conn, self._raw, self._conn = self._conn, None, None
+        if conn is not None:
+            # The driver's own close: the detached pool wrapper would first try a
+            # rollback, and log a traceback when the server is already gone.
+            with contextlib.suppress(Exception):
+                conn.close()

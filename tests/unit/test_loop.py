@@ -1,0 +1,77 @@
+"""LoopCaller: callables run on the hub in order, and a drain the hub lost is replaced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_pulse.bootsteps.loop import STALE, LoopCaller
+
+
+class Hub:
+    """The part of kombu's hub LoopCaller uses; ``lose()`` drops what it holds, as kombu
+    does with the rest of a loop turn's callbacks when one of them raises."""
+
+    def __init__(self) -> None:
+        self.ready: list[Any] = []
+
+    def call_soon(self, fn: Any) -> None:
+        self.ready.append(fn)
+
+    def run(self) -> None:
+        ready, self.ready = self.ready, []
+        for fn in ready:
+            fn()
+
+    def lose(self) -> None:
+        self.ready = []
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_calls_run_on_the_hub_in_order_with_one_drain() -> None:
+    hub, seen = Hub(), []
+    caller = LoopCaller(hub, Clock())
+    for i in range(3):
+        caller.call(seen.append, i)
+    assert seen == [] and len(hub.ready) == 1
+    hub.run()
+    assert seen == [0, 1, 2]
+
+
+def test_a_drain_the_hub_lost_is_scheduled_again_once_stale() -> None:
+    hub, clock, seen = Hub(), Clock(), []
+    caller = LoopCaller(hub, clock)
+    caller.call(seen.append, 1)
+    hub.lose()  # a broker error in the same loop turn
+    caller.call(seen.append, 2)
+    hub.run()
+    assert seen == []  # still presumed scheduled: no drain per call
+    clock.now += STALE
+    caller.call(seen.append, 3)
+    hub.run()
+    assert seen == [1, 2, 3]
+
+
+def test_rearm_after_a_reconnect_runs_what_was_queued() -> None:
+    hub, seen = Hub(), []
+    caller = LoopCaller(hub, Clock())
+    caller.call(seen.append, 1)
+    hub.lose()
+    caller.rearm()
+    hub.run()
+    assert seen == [1]
+    caller.call(seen.append, 2)  # and the next call schedules normally
+    hub.run()
+    assert seen == [1, 2]
+
+
+def test_without_a_hub_calls_run_inline() -> None:
+    seen: list[int] = []
+    LoopCaller(None).call(seen.append, 1)
+    assert seen == [1]
