@@ -21,7 +21,7 @@ import pytest
 from celery import Celery, chain, chord
 
 import celery_pulse
-from tests.acceptance.test_leases import FAST, PG_NOW, Claims, db, events, wait_event
+from tests.acceptance.test_leases import FAST, Claims, db, events, wait_event
 from tests.helpers import services
 from tests.helpers.publish import publish_raw
 from tests.helpers.workers import Env, Worker, wait_for
@@ -265,7 +265,7 @@ def test_chord_completes_with_the_right_result_when_a_part_loses_its_lease(
         slow_id = result.parent.results[2].id
         stale.signal(signal.SIGSTOP)
         wait_for(lambda: store_db.execute(
-            f"SELECT lease_until <= {PG_NOW} FROM pulse_claims WHERE task_id = :t",
+            f"SELECT lease_until <= {store_db.now} FROM pulse_claims WHERE task_id = :t",
             t=slow_id).scalar_one(), FAST["pulse_lease_ttl"] + 5, "the part's lease to expire")
         fresh = workers(env, "fresh@%h").wait_ready()
         wait_for(lambda: store_db.get(slow_id).epoch >= 2, 20, "Recover to re-dispatch the part")
