@@ -744,3 +744,56 @@ def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(
             assert taken == 1
             conn.execute(table.insert().values(task_id=g.task_id, epoch=g.epoch, note="y"))
         assert _notes(engine, table) == []
+
+
+# -- concurrency ---------------------------------------------------------------------------
+def test_workers_racing_for_the_same_new_tasks_each_get_a_task_once(sql_store: SqlStore) -> None:
+    """Four workers (own connections) reserve the same 40 never-seen task ids at once, each
+    in its own order: every id is granted to exactly one of them, the rest are refused
+    ``taken``, and nobody sees an error. On MySQL/MariaDB this is where duplicate-key
+    races and deadlocks happen: they must be retried, never surfaced."""
+    import random
+    import threading
+
+    from celery_pulse.store.sql import open_store
+
+    ids = [uuid.uuid4().hex for _ in range(40)]
+    holders = [f"racer{i}@host" for i in range(4)]
+    stores = [open_store(_store_url(sql_store)) for _ in holders]
+    barrier = threading.Barrier(len(holders))
+    results: dict[str, list[Grant | Refusal]] = {}
+    errors: list[BaseException] = []
+
+    def race(store: SqlStore, holder: str) -> None:
+        order = ids[:]
+        random.Random(holder).shuffle(order)
+        try:
+            barrier.wait()
+            got: list[Grant | Refusal] = []
+            for i in range(0, len(order), 8):  # batches, as the keeper sends them
+                got += store.reserve(holder, [request(t) for t in order[i:i + 8]], TTL)
+            results[holder] = got
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=race, args=(s, h)) for s, h in zip(stores, holders,
+                                                                          strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in stores:
+        s.close()
+    assert errors == []
+    granted: dict[str, list[str]] = {}
+    for holder, answers in results.items():
+        for answer in answers:
+            if isinstance(answer, Grant):
+                granted.setdefault(answer.task_id, []).append(holder)
+            else:
+                assert answer.reason == "taken", answer
+    assert sorted(granted) == sorted(ids)
+    assert all(len(h) == 1 for h in granted.values()), granted
+    for task_id, (holder,) in granted.items():
+        info = claim(sql_store, task_id)
+        assert (info.holder, info.epoch, info.state) == (holder, 1, RESERVED)

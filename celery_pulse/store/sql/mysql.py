@@ -106,12 +106,15 @@ class MySqlStore(SqlStore):
             try:
                 with translated(where), self.engine.begin() as conn:
                     return body(conn)
-            except Contended:
+            except Contended as exc:
                 if attempt == _ATTEMPTS - 1:
                     raise
+                why = str(exc)
             except sa_exc.IntegrityError as exc:
                 if mysql_code(exc.orig) != _DUPLICATE_KEY or attempt == _ATTEMPTS - 1:
                     raise
+                why = "another transaction inserted the same key first"
+            logger.debug("pulse: %s rolled back (%s): running it again", where, why)
             time.sleep(delay * (0.5 + random.random()))
             delay *= 2
         raise Contended(f"store contended during {where}")  # pragma: no cover
