@@ -47,14 +47,14 @@ def _simulate(url: str, holders: list[str], offsets: list[float], start_at: floa
     """In a child process: run one LeaseKeeper per holder for ``duration`` seconds."""
     from celery_pulse.leases import LeaseKeeper
     from celery_pulse.store.base import Grant
-    from celery_pulse.store.sql import SqlStore
+    from celery_pulse.store.sql import store_on
     from celery_pulse.store.sql.engine import make_engine
 
     keepers = []
     listeners = []
     stores = []
     for holder in holders:
-        store = SqlStore(make_engine(url))
+        store = store_on(make_engine(url))
         stores.append(store)
         store.now()  # open the connection now, not inside the first timed renewal
         listener = _Quiet()

@@ -254,8 +254,9 @@ def locked_store(store_url: str) -> Iterator[None]:
 
     For a worker in another process, where :meth:`PulseTestWorker.store_outage` can't
     reach. On PostgreSQL every pulse table is locked ``ACCESS EXCLUSIVE`` (each
-    statement of the worker waits); on SQLite the database is locked for writing
-    (each write waits out the busy timeout, then fails). Either way the worker
+    statement of the worker waits), on MySQL/MariaDB ``LOCK TABLES .. WRITE`` (likewise),
+    on SQLite the database is locked for writing (each write waits out the busy
+    timeout, then fails). Either way the worker
     renews nothing, and at its local deadline it treats every lease as lost.
     """
     import sqlalchemy as sa
@@ -263,19 +264,23 @@ def locked_store(store_url: str) -> Iterator[None]:
     from celery_pulse.store.sql.tables import metadata
 
     engine = sa.create_engine(store_url, poolclass=sa.pool.NullPool)
+    quoted = [engine.dialect.identifier_preparer.quote(t.name) for t in metadata.sorted_tables]
     try:
         with engine.connect() as conn:
             if engine.dialect.name == "sqlite":
                 conn.exec_driver_sql("BEGIN EXCLUSIVE")
+                release = "ROLLBACK"
+            elif engine.dialect.name in ("mysql", "mariadb"):
+                conn.exec_driver_sql("LOCK TABLES " + ", ".join(f"{t} WRITE" for t in quoted))
+                release = "UNLOCK TABLES"
             else:
-                conn.begin()
-                names = ", ".join(engine.dialect.identifier_preparer.quote(t.name)
-                                  for t in metadata.sorted_tables)
-                conn.exec_driver_sql(f"LOCK TABLE {names} IN ACCESS EXCLUSIVE MODE")
+                conn.exec_driver_sql("BEGIN")
+                conn.exec_driver_sql(f"LOCK TABLE {', '.join(quoted)} IN ACCESS EXCLUSIVE MODE")
+                release = "ROLLBACK"
             try:
                 yield
             finally:
-                conn.rollback()
+                conn.exec_driver_sql(release)
     finally:
         engine.dispose()
 

@@ -71,11 +71,11 @@ def configure(context: ChildContext) -> None:
 def _child_store() -> Any:
     global _store
     if _store is None:
-        from celery_pulse.store.sql import SqlStore
+        from celery_pulse.store.sql import store_on
         from celery_pulse.store.sql.engine import make_engine
 
         assert _context is not None
-        _store = SqlStore(make_engine(_context.store_url))
+        _store = store_on(make_engine(_context.store_url))
     return _store
 
 

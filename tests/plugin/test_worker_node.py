@@ -57,14 +57,16 @@ def test_expire_lease_makes_the_running_task_see_lease_lost(
 
 @pytest.fixture
 def pulse_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """SQLite, or PostgreSQL for a test parametrized ``indirect`` with ``"postgres"``."""
-    if getattr(request, "param", "sqlite") == "postgres":
-        url: str = request.getfixturevalue("pulse_postgres_store_url")
+    """SQLite, or PostgreSQL/MariaDB for a test parametrized ``indirect`` with
+    ``"postgres"``/``"mariadb"``."""
+    kind = getattr(request, "param", "sqlite")
+    if kind in ("postgres", "mariadb"):
+        url: str = request.getfixturevalue(f"pulse_{kind}_store_url")
         return url
     return f"sqlite:///{tmp_path / 'pulse.sqlite3'}"
 
 
-@pytest.mark.parametrize("pulse_store_url", ["sqlite", "postgres"], indirect=True)
+@pytest.mark.parametrize("pulse_store_url", ["sqlite", "postgres", "mariadb"], indirect=True)
 def test_store_outage_self_fences_then_the_worker_takes_work_again(
         celery_setup: PulseTestSetup, celery_worker: PulseWorkerNode,
         files: tuple[Path, Path]) -> None:

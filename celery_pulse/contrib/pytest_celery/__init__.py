@@ -7,7 +7,7 @@ fixtures, so it is never switched on by merely being installed)::
 
 Then pytest-celery's own names run on pulse: ``celery_setup`` starts a real
 ``celery worker -P pulse`` subprocess on the test's own queue, a SQLite store under
-``tmp_path`` (``--pulse-store=postgres`` for PostgreSQL), kombu's ``filesystem://``
+``tmp_path`` (``--pulse-store=postgres``/``mariadb`` for a server store), kombu's ``filesystem://``
 broker and a ``file://`` result backend. ``--pulse-brokers=filesystem,redis,rabbitmq``
 and ``--pulse-backends=file,redis`` widen the matrix to the running servers. See
 docs/testing.md, "With pytest-celery".
@@ -24,6 +24,7 @@ from celery_pulse.contrib.pytest_celery.fixtures import (
     celery_setup_worker,
     pulse_file_backend,
     pulse_filesystem_broker,
+    pulse_mariadb_store_url,
     pulse_postgres_store_url,
     pulse_rabbitmq_broker,
     pulse_redis_backend,
@@ -59,6 +60,7 @@ __all__ = [
     "celery_setup_worker",
     "pulse_file_backend",
     "pulse_filesystem_broker",
+    "pulse_mariadb_store_url",
     "pulse_postgres_store_url",
     "pulse_rabbitmq_broker",
     "pulse_redis_backend",

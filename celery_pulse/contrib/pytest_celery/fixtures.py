@@ -26,7 +26,7 @@ from celery_pulse.testing import FAST_SETTINGS
 
 BROKERS = ("filesystem", "redis", "rabbitmq")
 BACKENDS = ("file", "redis")
-STORES = ("sqlite", "postgres")
+STORES = ("sqlite", "postgres", "mariadb")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,8 +40,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(env PULSE_PYTEST_BACKENDS; default file)")
     group.addoption("--pulse-store", default=os.environ.get("PULSE_PYTEST_STORE", "sqlite"),
                     choices=STORES, help="the pulse store of the workers: sqlite (a file of "
-                    "the test's own) or postgres (a schema of the test's own in "
-                    "$PULSE_TEST_PG) (env PULSE_PYTEST_STORE)")
+                    "the test's own), postgres (a schema of the test's own in "
+                    "$PULSE_TEST_PG) or mariadb (a database of the test's own in "
+                    "$PULSE_TEST_MARIADB) (env PULSE_PYTEST_STORE)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -114,13 +115,27 @@ def pulse_postgres_store_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def pulse_mariadb_store_url() -> Iterator[str]:
+    """A pulse store in a MariaDB/MySQL database of the test's own ($PULSE_TEST_MARIADB),
+    dropped after."""
+    services.require("MariaDB", *services.address(services.MARIADB_URL, 3306))
+    database = services.Database(services.MARIADB_URL).create()
+    try:
+        yield database.url
+    finally:
+        database.drop()
+
+
+@pytest.fixture
 def pulse_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The workers' store: SQLite under ``tmp_path``, or PostgreSQL with --pulse-store=postgres.
+    """The workers' store: SQLite under ``tmp_path``, or PostgreSQL/MariaDB with
+    --pulse-store=postgres/mariadb.
 
     Override it to point the store elsewhere, e.g. ``return pulse_postgres_store_url``.
     """
-    if request.config.getoption("pulse_store") == "postgres":
-        url: str = request.getfixturevalue("pulse_postgres_store_url")
+    kind = request.config.getoption("pulse_store")
+    if kind in ("postgres", "mariadb"):
+        url: str = request.getfixturevalue(f"pulse_{kind}_store_url")
         return url
     return f"sqlite:///{tmp_path / 'pulse.sqlite3'}"
 

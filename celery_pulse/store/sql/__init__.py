@@ -1,7 +1,8 @@
-"""The SQL store: SQLAlchemy 2 Core over PostgreSQL (psycopg 3) or SQLite."""
+"""The SQL store: SQLAlchemy 2 Core over PostgreSQL (psycopg 3), MySQL/MariaDB (PyMySQL) or
+SQLite."""
 
 from __future__ import annotations
 
-from celery_pulse.store.sql.store import SqlStore, open_store
+from celery_pulse.store.sql.store import SqlStore, open_store, store_on
 
-__all__ = ["SqlStore", "open_store"]
+__all__ = ["SqlStore", "open_store", "store_on"]

@@ -907,19 +907,22 @@ class SqlStore(Store):
             return conn.execute(stmt).rowcount > 0
 
 
+def store_on(engine: sa.Engine) -> SqlStore:
+    """The store implementation for ``engine``'s dialect."""
+    if Dialect(engine.dialect.name).is_mysql:
+        from celery_pulse.store.sql.mysql import MySqlStore
+
+        return MySqlStore(engine)
+    return SqlStore(engine)
+
+
 def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True) -> SqlStore:
     """Open the store at ``url``, waiting up to ``connect_timeout`` for it to answer.
 
     Raises InvalidConfig (naming ``pulse_store_url``, password masked) when it never
     answers, and SchemaMissing when the schema is absent or old.
     """
-    engine = make_engine(url)
-    if Dialect(engine.dialect.name).is_mysql:
-        from celery_pulse.store.sql.mysql import MySqlStore
-
-        store: SqlStore = MySqlStore(engine)
-    else:
-        store = SqlStore(engine)
+    store = store_on(make_engine(url))
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
     while True:
