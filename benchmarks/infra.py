@@ -21,11 +21,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_pulse import testing
-from tests.helpers import pg
+from tests.helpers import mariadb, pg
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_HOST_URL = os.environ.get("PULSE_BENCH_PG", "postgresql+psycopg://root@127.0.0.1:5432")
 BENCH_DB = os.environ.get("PULSE_BENCH_DB", "pulse_bench")
+#: The shared MariaDB server (any database on it): each run makes a database of its own.
+MARIADB_URL = os.environ.get("PULSE_BENCH_MARIADB", "mysql+pymysql://root@127.0.0.1:3306/test")
 RABBIT_URL = os.environ.get("PULSE_BENCH_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 #: A database of its own on the shared Redis, so nobody else's keys get in the way.
 REDIS_URL = os.environ.get("PULSE_BENCH_REDIS", "redis://127.0.0.1:6379/7")
@@ -172,6 +174,21 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
             continue
         out[pid] = (int(fields[11]) + int(fields[12])) / CLK_TCK
     return out
+
+
+def process_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU time of the whole process ``pid``: every thread, those that ended included.
+
+    From ``utime + stime`` of ``/proc/<pid>/stat`` (clock ticks, 10 ms): for one
+    long-lived multi-threaded server (mariadbd), where a connection's thread may end
+    between two readings and take its schedstat with it. ``{}`` if ``pid`` is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return {}
+    return {pid: (int(fields[11]) + int(fields[12])) / CLK_TCK}
 
 
 def children_of(ppid: int) -> list[int]:
@@ -375,13 +392,88 @@ def fresh_sqlite(scratch: Scratch) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def fresh_mariadb(base_url: str = MARIADB_URL) -> Iterator[str]:
+    """A new, migrated database on the MariaDB server of ``base_url``; dropped afterwards.
+
+    MariaDB has no schemas inside a database (a schema *is* a database), so where
+    PostgreSQL runs get a schema, these get a database, with a binary collation (strings
+    compare byte for byte, as on PostgreSQL and SQLite).
+    """
+    name = "b_" + uuid.uuid4().hex[:12]
+    engine = sa.create_engine(base_url, isolation_level="AUTOCOMMIT",
+                              poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        conn.exec_driver_sql(
+            f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")
+    url = sa.make_url(base_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        with contextlib.suppress(Exception), engine.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
+        engine.dispose()
+
+
+@contextlib.contextmanager
 def fresh_store(kind: str, scratch: Scratch, database_url: str) -> Iterator[str]:
+    """A fresh store of ``kind``: a schema in the PostgreSQL ``database_url``, a database
+    on the MariaDB server of :data:`MARIADB_URL`, or a SQLite file in ``scratch``."""
     if kind == "postgres":
         with fresh_pg_schema(database_url) as url:
             yield url
-    else:
+    elif kind == "mariadb":
+        with fresh_mariadb() as url:
+            yield url
+    elif kind == "sqlite":
         with fresh_sqlite(scratch) as url:
             yield url
+    else:
+        raise ValueError(f"unknown store kind {kind!r}")
+
+
+#: Process names of a MariaDB/MySQL server.
+MARIADB_NAMES = ("mariadbd", "mysqld")
+
+
+def mariadb_server_pid(url: str = MARIADB_URL) -> int | None:
+    """The pid of the local ``mariadbd`` serving ``url`` (None if it is not on this host).
+
+    The server names its pid file (``@@pid_file``); other MariaDB servers on this host
+    (the test suite starts private ones) have pid files of their own. When that file
+    cannot be read, the one ``mariadbd``/``mysqld`` process listening on the URL's port.
+    """
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            pid_file, port = conn.execute(sa.text("SELECT @@pid_file, @@port")).one()
+    finally:
+        engine.dispose()
+    servers = {pid: _cmdline(pid) for pid, _ in _proc_stats() if _comm(pid) in MARIADB_NAMES}
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        pid = int(Path(pid_file).read_text().split()[0])
+        if pid in servers:
+            return pid
+    mine = [pid for pid, argv in servers.items()
+            if f"--port={port}" in argv or (port == 3306 and not any(
+                a.startswith("--port=") for a in argv))]
+    return mine[0] if len(mine) == 1 else None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 class PrivatePostgres(pg.PrivatePostgres):
@@ -395,6 +487,14 @@ class PrivatePostgres(pg.PrivatePostgres):
         """CPU seconds of the postmaster and every backend and helper it forked."""
         pid = self.postmaster_pid()
         return cpu_seconds([pid, *children_of(pid)])
+
+
+class PrivateMariaDB(mariadb.PrivateMariaDB):
+    """The test suite's private MariaDB, durable by default (the redo log flushed at
+    every commit, as in production), plus the server ``settings`` given (``--name=value``)."""
+
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        super().__init__(dict(settings or {}))
 
 
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
@@ -502,6 +602,11 @@ def machine_info() -> dict[str, Any]:
             info["postgresql"] = conn.exec_driver_sql("SHOW server_version").scalar_one()
         engine.dispose()
     with contextlib.suppress(Exception):
+        engine = sa.create_engine(MARIADB_URL, poolclass=sa.pool.NullPool)
+        with engine.connect() as conn:
+            info["mariadb"] = conn.exec_driver_sql("SELECT VERSION()").scalar_one()
+        engine.dispose()
+    with contextlib.suppress(Exception):
         import redis
 
         client = redis.Redis.from_url(REDIS_URL)
@@ -519,6 +624,10 @@ def machine_info() -> dict[str, Any]:
 
         info["celery-redbeat"] = version("celery-redbeat")
         info["py-spy"] = version("py-spy")
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        info["pymysql"] = version("PyMySQL")
     return info
 
 

@@ -17,14 +17,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 STORE_LABEL = {"prefork": "prefork", "pulse-postgres": "pulse · PostgreSQL",
-               "pulse-sqlite": "pulse · SQLite",
+               "pulse-sqlite": "pulse · SQLite", "pulse-mariadb": "pulse · MariaDB",
                "prefork-sqla": "prefork + SQLAlchemy result backend · PostgreSQL",
                "procrastinate": "procrastinate 3 · PostgreSQL"}
 PEERS = ("prefork-sqla", "procrastinate")
+#: pulse on each store; results of older runs may lack some (then they are left out).
+PULSE_STORES = ("pulse-postgres", "pulse-sqlite", "pulse-mariadb")
+VARIANTS = ("prefork", *PULSE_STORES)
+#: The server stores of section 2 (SQL cost): PostgreSQL's figures are at the top level
+#: of its results, MariaDB's under "mariadb".
+SQL_STORES = {"postgres": "PostgreSQL", "mariadb": "MariaDB"}
 #: Issue 15's targets for the redesigned hot path (DESIGN §5 asks 0.9x for every case).
 NOOP_TARGET, WORK_TARGET, PEER_TARGET, PARENT_CPU_TARGET = 0.5, 0.95, 2.0, 0.8
 BROKER_LABEL = {"rabbitmq": "RabbitMQ", "redis": "Redis"}
 COLORS = {"prefork": "#8c8c8c", "pulse-postgres": "#1f77b4", "pulse-sqlite": "#ff7f0e",
+          "pulse-mariadb": "#17becf",
           "prefork-sqla": "#9467bd", "procrastinate": "#2ca02c",
           "pulse": "#1f77b4", "redbeat": "#d62728", "celery": "#8c8c8c"}
 THROUGHPUT_TARGET = 0.9
@@ -51,6 +58,20 @@ def verdict(ok: bool | None) -> str:
 def _ok(section: dict[str, Any] | None) -> bool:
     return section is not None and bool(section) and "error" not in section \
         and "skipped" not in section
+
+
+def store_cpu(cpu: dict[str, float]) -> float:
+    """CPU ms per task of the store server (``postgres`` in results of older runs)."""
+    return cpu.get("store", cpu.get("postgres", 0.0))
+
+
+def sql_stores(sq: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(store, figures) of section 2 for each server store measured (older runs:
+    PostgreSQL only)."""
+    out = [("postgres", sq)]
+    if _ok(sq.get("mariadb")):
+        out.append(("mariadb", sq["mariadb"]))
+    return out
 
 
 # -- summary rows ----------------------------------------------------------------------------
@@ -81,19 +102,8 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
                          f"{b:.0f} MB (prefork)", ratio(p / b), "—", "—"])
     sq = sec.get("sqlcost")
     if _ok(sq):
-        rows.append(["SQL statements per task (reserve + start + complete, amortised)",
-                     f"{sq['per_task_lifecycle']:.2f}", "—", f"{sq['per_task_lifecycle']:.2f}",
-                     "≤ 1 under load (issue 15; DESIGN ≤ 3)",
-                     verdict(sq["per_task_lifecycle"] <= 1)])
-        rows.append(["SQL round trips per task, everything included", f"{sq['per_task_total']:.2f}",
-                     "—", f"{sq['per_task_total']:.2f}", "≤ 1 under load",
-                     verdict(sq["per_task_total"] <= 1.0)])
-        rows.append([f"Renewal statements per interval, {sq['held_leases']} leases held",
-                     f"{sq['renew_calls_per_second'] * sq['renew_interval']:.2f}", "—",
-                     f"{sq['renew_rows_per_call'] or 0:.0f} leases per statement", "O(1)",
-                     verdict(sq["renew_calls_per_second"] * sq["renew_interval"] <= 1.25)])
-        rows.append(["SQL statements per idle worker per second", f"{sq['idle_total_per_second']:.1f}",
-                     "—", "—", "—", "—"])
+        for store, data in sql_stores(sq):
+            rows += sql_rows(store, data)
     sc = sec.get("scale")
     if _ok(sc) and sc["points"]:
         top = sc["points"][-1]
@@ -159,6 +169,45 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def sql_rows(store: str, sq: dict[str, Any]) -> list[list[str]]:
+    """Section 2's summary rows for one server store.
+
+    Issue 15's targets (≤ 1 statement and ≤ 1 round trip per task, one renewal statement
+    per interval) are those of PostgreSQL's pipelined hot path. On MariaDB every operation
+    is a transaction of several statements (a read under lock, the write, a read back,
+    COMMIT), one round trip each: its rows are held to DESIGN's ≤ 3 statements per task
+    and to renewal staying one transaction per interval whatever the number of leases.
+    """
+    name = SQL_STORES[store]
+    renewals = sq["renew_calls_per_second"] * sq["renew_interval"]
+    per_statement = f"{sq['renew_rows_per_call'] or 0:.0f} leases per statement"
+    if store == "postgres":
+        return [
+            [f"SQL statements per task, {name} (reserve + start + complete, amortised)",
+             f"{sq['per_task_lifecycle']:.2f}", "—", f"{sq['per_task_lifecycle']:.2f}",
+             "≤ 1 under load (issue 15; DESIGN ≤ 3)", verdict(sq["per_task_lifecycle"] <= 1)],
+            [f"SQL round trips per task, {name}, everything included",
+             f"{sq['per_task_total']:.2f}", "—", f"{sq['per_task_total']:.2f}",
+             "≤ 1 under load", verdict(sq["per_task_total"] <= 1.0)],
+            [f"Renewal statements per interval, {name}, {sq['held_leases']} leases held",
+             f"{renewals:.2f}", "—", per_statement, "O(1)", verdict(renewals <= 1.25)],
+            [f"SQL statements per idle worker per second, {name}",
+             f"{sq['idle_total_per_second']:.1f}", "—", "—", "—", "—"]]
+    commits = sq["per_task"].get("begin/commit", 0.0)
+    return [
+        [f"SQL statements per task, {name} (reserve + start + complete, amortised)",
+         f"{sq['per_task_lifecycle']:.2f}", "—",
+         f"+ {commits:.2f} COMMIT/ROLLBACK", "≤ 3 under load (DESIGN)",
+         verdict(sq["per_task_lifecycle"] <= 3)],
+        [f"SQL round trips per task, {name}, everything included",
+         f"{sq['per_task_total']:.2f}", "—", "one per statement (no pipelining)", "—", "—"],
+        [f"Renewal statements per interval, {name}, {sq['held_leases']} leases held",
+         f"{renewals:.2f}", "—", per_statement, "O(1)",
+         verdict((sq["renew_rows_per_call"] or 0) >= 0.9 * sq["held_leases"])],
+        [f"SQL statements per idle worker per second, {name}",
+         f"{sq['idle_total_per_second']:.1f}", "—", "—", "—", "—"]]
+
+
 def _find(tp: dict[str, Any], variant: str, workload: str, broker: str = "rabbitmq"
           ) -> dict[str, Any] | None:
     return next((r for r in tp["summary"] if r["variant"] == variant
@@ -188,7 +237,7 @@ def hot_path_rows(tp: dict[str, Any]) -> list[list[str]]:
                          ratio(pulse["rate"] / other["rate"]), f"≥ {PEER_TARGET}{X}",
                          verdict(pulse["rate"] >= PEER_TARGET * other["rate"])])
     for key in ("sleep-1000", "sleep-late-1000", "sleep-200"):
-        for variant in ("pulse-postgres", "pulse-sqlite"):
+        for variant in PULSE_STORES:
             row = _find(tp, variant, key)
             if row is None or row["ratio"] is None:
                 continue
@@ -238,9 +287,10 @@ def _save(fig: Any, img: Path, name: str) -> str:
 
 def plot_throughput(tp: dict[str, Any], img: Path) -> str:
     groups = [(r["broker"], r["workload"]) for r in tp["summary"] if r["variant"] == "prefork"]
-    variants = ("prefork", "pulse-postgres", "pulse-sqlite")
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in tp["summary"])]
+    pulse = [v for v in variants if v != "prefork"]
     fig, (left, right) = plt.subplots(2, 1, figsize=(11, 8.5))
-    width = 0.27
+    width = 0.8 / len(variants)
     for i, variant in enumerate(variants):
         rates, ratios = [], []
         for broker, workload in groups:
@@ -248,10 +298,11 @@ def plot_throughput(tp: dict[str, Any], img: Path) -> str:
                         and r["workload"] == workload and r["variant"] == variant), None)
             rates.append(row["rate"] if row else 0)
             ratios.append(row["ratio"] if row and row["ratio"] is not None else 0)
-        xs = [g + (i - 1) * width for g in range(len(groups))]
+        xs = [g + (i - (len(variants) - 1) / 2) * width for g in range(len(groups))]
         left.bar(xs, rates, width, label=STORE_LABEL[variant], color=COLORS[variant])
         if variant != "prefork":
-            right.bar([g + (i - 1.5) * width for g in range(len(groups))], ratios, width,
+            j = pulse.index(variant) - (len(pulse) - 1) / 2
+            right.bar([g + j * width for g in range(len(groups))], ratios, width,
                       label=STORE_LABEL[variant], color=COLORS[variant])
     names = [f"{tp['workloads'][w].replace(', ', chr(10))}\n{BROKER_LABEL[b]}"
              for b, w in groups]
@@ -271,14 +322,16 @@ def plot_throughput(tp: dict[str, Any], img: Path) -> str:
 
 def plot_cpu(tp: dict[str, Any], img: Path) -> str:
     rows = [r for r in tp["summary"] if r["workload"] == tp["summary"][0]["workload"]]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(rows)), 3.6))
     labels = [f"{STORE_LABEL[r['variant']]}\n{BROKER_LABEL[r['broker']]}" for r in rows]
     bottom = [0.0] * len(rows)
-    for part, color in (("parent", "#4c72b0"), ("children", "#55a868"), ("postgres", "#c44e52")):
-        values = [r["cpu_ms_per_task"][part] for r in rows]
+    for part, color in (("parent", "#4c72b0"), ("children", "#55a868"), ("store", "#c44e52")):
+        values = [store_cpu(r["cpu_ms_per_task"]) if part == "store" else
+                  r["cpu_ms_per_task"][part] for r in rows]
         ax.bar(labels, values, bottom=bottom, color=color, label={
             "parent": "worker parent (consumer loop + pulse threads)",
-            "children": "pool children", "postgres": "PostgreSQL backends"}[part])
+            "children": "pool children",
+            "store": "store server (PostgreSQL backends; MariaDB: whole server, shared)"}[part])
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_ylabel("CPU ms per task")
     ax.set_title(f"Where the CPU goes, {tp['workloads'][rows[0]['workload']]} (median)")
@@ -288,17 +341,25 @@ def plot_cpu(tp: dict[str, Any], img: Path) -> str:
 
 
 def plot_sql(sq: dict[str, Any], img: Path) -> str:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    kinds = [k for k, v in sq["per_task"].items() if v > 0.005]
-    left.barh(kinds, [sq["per_task"][k] for k in kinds], color="#1f77b4")
-    left.axvline(1, color="orange", linestyle=":", label="target ≤ 1 statement")
+    stores = sql_stores(sq)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    height = 0.8 / len(stores)
+    for ax, key, threshold in ((left, "per_task", 0.005), (right, "idle_per_second", 0.001)):
+        kinds = [k for k in stores[0][1][key] if any(d[key].get(k, 0) > threshold
+                                                     for _, d in stores)]
+        for i, (store, data) in enumerate(stores):
+            ys = [y + (i - (len(stores) - 1) / 2) * height for y in range(len(kinds))]
+            ax.barh(ys, [data[key].get(k, 0) for k in kinds], height,
+                    label=SQL_STORES[store], color=COLORS[f"pulse-{store}"])
+        ax.set_yticks(range(len(kinds)), kinds)
+        ax.invert_yaxis()
+    left.axvline(1, color="orange", linestyle=":", label="target ≤ 1 statement (PostgreSQL)")
     left.set_xlabel("statements per task")
     left.set_title(f"Under load ({sq['n']:,} no-op tasks)")
     left.legend(fontsize=8)
-    idle = {k: v for k, v in sq["idle_per_second"].items() if v > 0.001}
-    right.barh(list(idle), list(idle.values()), color="#8172b2")
     right.set_xlabel("statements per second")
     right.set_title("One idle worker")
+    right.legend(fontsize=8)
     return _save(fig, img, "sql_cost.png")
 
 
@@ -395,9 +456,9 @@ def plot_leaseloss(ll: dict[str, Any], img: Path) -> str:
 
 
 def plot_memory(tp: dict[str, Any], img: Path) -> str:
-    variants = ("prefork", "pulse-postgres", "pulse-sqlite")
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in tp["summary"])]
     rows = {v: [r for r in tp["summary"] if r["variant"] == v] for v in variants}
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(variants), 3.4))
     xs = range(len(variants))
     rss = [statistics.median(r["rss_mb"] for r in rows[v]) if rows[v] else 0 for v in variants]
     pss = [statistics.median(r["pss_mb"] for r in rows[v]) if rows[v] else 0 for v in variants]
@@ -406,7 +467,8 @@ def plot_memory(tp: dict[str, Any], img: Path) -> str:
     ax.set_xticks(list(xs), [STORE_LABEL[v] for v in variants])
     ax.set_ylabel("MB")
     ax.set_title(f"Worker memory, -c {tp['concurrency']}, after a run (median)")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.3 * max([1.0, *rss, *pss]))  # room for the legend above the bars
+    ax.legend(fontsize=8, ncol=2, loc="upper center")
     return _save(fig, img, "memory.png")
 
 
@@ -455,8 +517,9 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
         f"| OS | {m.get('platform')} |",
         f"| Python | {m.get('python')} |",
         f"| Celery / kombu | {m.get('celery')} / {m.get('kombu')} |",
-        f"| SQLAlchemy / psycopg | {m.get('sqlalchemy')} / {m.get('psycopg')} |",
-        f"| PostgreSQL | {m.get('postgresql', '?')} |",
+        f"| SQLAlchemy / psycopg / PyMySQL | {m.get('sqlalchemy')} / {m.get('psycopg')} / "
+        f"{m.get('pymysql', '?')} |",
+        f"| PostgreSQL / MariaDB | {m.get('postgresql', '?')} / {m.get('mariadb', '?')} |",
         f"| RabbitMQ / Redis | {m.get('rabbitmq', '?')} / {m.get('redis', '?')} |",
         f"| celery-redbeat | {m.get('celery-redbeat', '?')} |",
         "",
@@ -484,8 +547,8 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
     _section(lines, results, "throughput", "7. Memory",
              lambda d, ls: _md_memory(d, ls, img))
     lines += ["", "## How the runner measures", "",
-              "- Every broker queue, PostgreSQL schema and SQLite file is fresh per run and "
-              "migrated first; every process the runner starts lives in its own process group "
+              "- Every broker queue, PostgreSQL schema, MariaDB database and SQLite file is fresh "
+              "per run and migrated first; every process the runner starts lives in its own process group "
               "and is killed (SIGKILL of the group) when its measurement ends, also on errors.",
               "- Workers run `celery -A benchmarks.apps worker -P <pool> -c N --without-mingle "
               "--without-gossip --without-heartbeat -l warning`; the app is configured by "
@@ -508,17 +571,24 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
                      STORE_LABEL[r["variant"]], num(r["rate"]),
                      ", ".join(num(x) for x in r["rates"]),
                      "—" if r["variant"] == "prefork" else ratio(r["ratio"]),
-                     f"{cpu['parent']:.2f} / {cpu['children']:.2f} / {cpu['postgres']:.2f}"])
+                     f"{cpu['parent']:.2f} / {cpu['children']:.2f} / {store_cpu(cpu):.2f}"])
     lines += [f"N tasks (plus a final `stop` task) are published to a fresh queue, then one "
               f"worker with `-c {tp['concurrency']}` is started on it: rate = N / (start of "
               f"`stop` - `worker_ready`). Runs of prefork and pulse alternate; the ratio is the "
               f"median of per-repeat ratios. CPU columns: ms of CPU per task in the worker's "
-              f"parent process, its pool children and the PostgreSQL backends serving it."
+              f"parent process, its pool children and the store server serving it: for "
+              f"PostgreSQL the backends connected to the benchmark's database"
+              + ("; for MariaDB the whole `mariadbd` process (a connection is a thread of it, "
+                 "not a process of its own, so the benchmark's share cannot be told apart): "
+                 "that server is shared, and whatever else it served during a run is counted "
+                 "too" if any(r["variant"] == "pulse-mariadb" for r in tp["summary"]) else "")
+              + ". SQLite runs inside the worker (its cost is in the worker's columns)."
+              + _unmeasured(tp, "pulse-mariadb")
               + (f" {tp['disturbed_attempts']} run(s) were disturbed from outside (the shared "
                  f"broker dropped the worker's connection) and measured again."
                  if tp.get("disturbed_attempts") else ""), "",
               table(rows, ["Workload", "Broker", "Pool / store", "tasks/s (median)", "runs",
-                           "vs prefork", "CPU ms/task parent / children / PostgreSQL"]),
+                           "vs prefork", "CPU ms/task parent / children / store server"]),
               "", f"![throughput]({plot_throughput(tp, img)})", "",
               f"![cpu per task]({plot_cpu(tp, img)})", "", "**What this means.** "]
     pulse = [r for r in tp["summary"] if r["variant"] != "prefork" and r["ratio"] is not None]
@@ -540,15 +610,16 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
         base = next(r for r in tp["summary"] if r["variant"] == "prefork"
                     and r["broker"] == noop[0]["broker"] and r["workload"] == noop[0]["workload"])
         pc, bc = noop[0]["cpu_ms_per_task"], base["cpu_ms_per_task"]
-        plain, ours = bc["parent"] + bc["children"], pc["parent"] + pc["children"] + pc["postgres"]
+        store = store_cpu(pc)
+        plain, ours = bc["parent"] + bc["children"], pc["parent"] + pc["children"] + store
         text += (f"On no-op tasks the gap is CPU: a no-op costs plain Celery {plain:.2f} ms of "
                  f"CPU in all, pulse {ours:.2f} ms ({pc['parent']:.2f} in the worker's parent, "
-                 f"{pc['children']:.2f} in the pool, {pc['postgres']:.2f} in PostgreSQL), on "
+                 f"{pc['children']:.2f} in the pool, {store:.2f} in PostgreSQL), on "
                  f"{results['meta']['machine'].get('cores')} cores shared by the broker, the "
                  f"database and the worker. The floor for any design that writes the same "
                  f"rows at these batch sizes is prefork's CPU plus PostgreSQL's: "
-                 f"{plain:.2f} / ({plain:.2f} + {pc['postgres']:.2f}) = "
-                 f"{plain / (plain + pc['postgres']):.2f}{X} of prefork; pulse is at "
+                 f"{plain:.2f} / ({plain:.2f} + {store:.2f}) = "
+                 f"{plain / (plain + store):.2f}{X} of prefork; pulse is at "
                  f"{noop[0]['ratio']:.2f}{X}, the rest being Python in the worker's parent. ")
     sleep = [r for r in pulse if r["workload"].startswith("sleep")]
     if sleep:
@@ -566,7 +637,7 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
                      f"({tp['workloads'][r['workload']]}, {num(r['rate'])} tasks/s, CPU "
                      f"{sum(r['cpu_ms_per_task'].values()):.2f} ms per task in all)"
                      for r in peers) + ". ")
-    for variant in ("pulse-postgres", "pulse-sqlite"):
+    for variant in PULSE_STORES:
         small = next((r for r in tp["summary"] if r["variant"] == variant
                       and r["workload"] == "noop-2000" and r["broker"] == "rabbitmq"), None)
         big = next((r for r in tp["summary"] if r["variant"] == variant
@@ -575,10 +646,10 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
             text += (f"With {STORE_LABEL[variant].split(' · ')[1]} the rate also drops as the "
                      f"claims table grows: {num(small['rate'])} tasks/s over 2,000 tasks, "
                      f"{num(big['rate'])} over 20,000, with the store's CPU per task going from "
-                     f"{small['cpu_ms_per_task']['postgres']:.2f} to "
-                     f"{big['cpu_ms_per_task']['postgres']:.2f} ms")
+                     f"{store_cpu(small['cpu_ms_per_task']):.2f} to "
+                     f"{store_cpu(big['cpu_ms_per_task']):.2f} ms")
             sq = results["sections"].get("sqlcost")
-            if _ok(sq) and sq.get("claims_updates"):
+            if variant == "pulse-postgres" and _ok(sq) and sq.get("claims_updates"):
                 text += (f" (every claim row is updated twice after its insert, and "
                          f"{100 * sq['claims_hot_updates'] / sq['claims_updates']:.0f}% of "
                          f"those updates were HOT in section 2: each one changes an indexed "
@@ -590,6 +661,21 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
         text += ("Section 1b profiles a pulse worker under this load to show which part of it "
                  "limits the rate, and what would close the gap.")
     lines[-1] += text
+
+
+def _unmeasured(tp: dict[str, Any], variant: str) -> str:
+    """A sentence naming the workloads ``variant`` was not run on (if it ran at all)."""
+    summary = tp["summary"]
+    if not any(r["variant"] == variant for r in summary):
+        return ""
+    ran = {(r["broker"], r["workload"]) for r in summary if r["variant"] == variant}
+    missing = list(dict.fromkeys(tp["workloads"][r["workload"]] for r in summary
+                                 if r["variant"] == "prefork"
+                                 and (r["broker"], r["workload"]) not in ran))
+    if not missing:
+        return ""
+    return (f" {STORE_LABEL[variant]} was not run on {'; '.join(missing)} (the full run's "
+            f"time budget).")
 
 
 def bottleneck(prof: dict[str, Any], sq: dict[str, Any] | None) -> str:
@@ -628,19 +714,28 @@ def _md_profile(pr: dict[str, Any], lines: list[str], results: dict[str, Any]) -
 
 
 def _md_sql(sq: dict[str, Any], lines: list[str], img: Path) -> None:
+    stores = sql_stores(sq)
+    lines += [f"Counted by the server: a private server of each kind (durable, as in "
+              f"production) is the store of one `-P pulse -c 2` worker on RabbitMQ, and "
+              f"nothing else's statements are counted (settings {sq['conf']}). Under load: "
+              f"{sq['n']:,} no-op tasks published to the running worker, counted until every "
+              f"claim was final. Idle: {sq['idle_seconds']:.0f} s with nothing to do. Held: "
+              f"the worker holds {sq['held_leases']} leases of long tasks for "
+              f"{sq['held_seconds']:.0f} s (renewals)."
+              + ("" if len(stores) > 1 else " Only PostgreSQL was measured in this run."), "",
+              f"![sql cost]({plot_sql(sq, img)})", ""]
+    for store, data in stores:
+        lines += [f"### {SQL_STORES[store]}", ""]
+        (_md_sql_postgres if store == "postgres" else _md_sql_mariadb)(data, lines)
+        lines.append("")
+
+
+def _sql_tables(sq: dict[str, Any], lines: list[str]) -> None:
     rows = [[k, f"{sq['per_task'][k]:.3f}", f"{sq['idle_per_second'][k]:.2f}"]
             for k in sq["per_task"] if sq["per_task"][k] or sq["idle_per_second"][k]]
     rpc = sq["rows_per_call"]
-    lines += [f"Counted by the server: a private PostgreSQL with `pg_stat_statements` "
-              f"(utility statements tracked, so BEGIN/COMMIT/ROLLBACK count) is the store of "
-              f"one `-P pulse -c 2` worker on RabbitMQ; round trips are those statements, "
-              f"except the hot path's, which the worker sends pipelined, counted by the "
-              f"worker itself (`exchanges` in its stats) (settings "
-              f"{sq['conf']}). Under load: {sq['n']:,} no-op tasks published to the running "
-              f"worker, counted until every claim was final ({sq['load_seconds']:.1f} s). "
-              f"Idle: {sq['idle_seconds']:.0f} s with nothing to do.", "",
-              table(rows, ["Kind", "Statements per task (load)", "Statements per second (idle)"]),
-              "", f"![sql cost]({plot_sql(sq, img)})", "",
+    lines += [table(rows, ["Kind", "Statements per task (load)", "Statements per second (idle)"]),
+              "",
               f"Rows per statement under load: reserve {num(rpc['reserve'], 2)}, start "
               f"{num(rpc['start'], 2)}, complete {num(rpc['complete'], 2)}. With "
               f"{sq['held_leases']} leases held, renewal ran "
@@ -654,6 +749,15 @@ def _md_sql(sq: dict[str, Any], lines: list[str], img: Path) -> None:
               table([[r["kind"], f"{r['per_second']:.2f}", f"`{r['query'][:110]}`"]
                      for r in sq["top_idle_statements"][:8]], ["Kind", "per second", "Statement"]),
               ""]
+
+
+def _md_sql_postgres(sq: dict[str, Any], lines: list[str]) -> None:
+    rpc = sq["rows_per_call"]
+    lines += [f"`pg_stat_statements` (utility statements tracked, so BEGIN/COMMIT/ROLLBACK "
+              f"count); round trips are those statements, except the hot path's, which the "
+              f"worker sends pipelined, counted by the worker itself (`exchanges` in its "
+              f"stats). The load took {sq['load_seconds']:.1f} s.", ""]
+    _sql_tables(sq, lines)
     exchanges = sq.get("exchanges_per_task")
     text = (f"**What this means.** A task costs {sq['per_task_lifecycle']:.2f} hot-path "
             f"statements (reserve + start + complete, amortised over batches) and "
@@ -674,6 +778,50 @@ def _md_sql(sq: dict[str, Any], lines: list[str], img: Path) -> None:
              f"{idle['beat'] + idle['other']:.1f} the beat's once-a-second "
              f"reads of the schedule and the store clock (this worker is the beat leader; "
              f"only the leader ticks), {idle['recover']:.1f} recover scans, "
+             f"{idle['leader'] + idle['registry']:.2f} leader and registry renewals.")
+    lines.append(text)
+
+
+def _md_sql_mariadb(sq: dict[str, Any], lines: list[str]) -> None:
+    lines += [f"The Performance Schema counts every statement by its digest "
+              f"(`events_statements_summary_by_digest`, COMMIT and ROLLBACK included); only "
+              f"those run in the store's database count, which nobody but the worker uses "
+              f"(the runner's own reads connect to no database). PyMySQL sends one statement "
+              f"per round trip, without pipelining, so the round trips are all of them, plus "
+              f"any request that is not a statement (a ping), counted for the worker's user. "
+              f"Each reservation, start or completion batch is a transaction of its own: a "
+              f"read under lock (`SELECT … FOR UPDATE`), the write, a read back of what was "
+              f"written (reservations and starts), then COMMIT. The load took "
+              f"{sq['load_seconds']:.1f} s.", ""]
+    _sql_tables(sq, lines)
+    per_task, idle = sq["per_task"], sq["idle_per_second"]
+    exchanges = sq.get("exchanges_per_task")
+    rollbacks = sq.get("rollbacks_per_task")
+    text = (f"**What this means.** A task costs {sq['per_task_lifecycle']:.2f} hot-path "
+            f"statements (reserve + start + complete, amortised over batches: DESIGN's ≤ 3 "
+            f"is {'met' if sq['per_task_lifecycle'] <= 3 else '**missed**'}) plus "
+            f"{per_task['begin/commit']:.2f} COMMIT/ROLLBACK, and every statement is a round "
+            f"trip: {sq['per_task_total']:.2f} round trips per task in all, where PostgreSQL's "
+            f"pipeline sends a whole exchange in one. ")
+    if exchanges is not None:
+        text += (f"The group commit still batches: {exchanges:.3f} exchanges per task, "
+                 f"{num(sq.get('ops_per_exchange'), 1)} operations each, sent as up to three "
+                 f"transactions (completions, reservations, starts). ")
+    if rollbacks:
+        commits = per_task["begin/commit"] - rollbacks
+        text += (f"{rollbacks:.2f} round trips per task are ROLLBACKs, next to {commits:.2f} "
+                 f"COMMITs: SQLAlchemy's pool resets every connection returned to it with a "
+                 f"rollback, which PyMySQL sends to the server even after the transaction "
+                 f"committed (psycopg skips it when no transaction is open); at idle they also "
+                 f"end the transactions of reads ("
+                 f"{sq.get('idle_rollbacks_per_second', 0.0):.1f} ROLLBACKs per second). ")
+    text += (f"Renewal is one transaction per interval whatever the number of leases: its "
+             f"statements each covered {num(sq['renew_rows_per_call'], 0)} of the "
+             f"{sq['held_leases']} leases held. An idle worker sends "
+             f"{sq['idle_total_per_second']:.1f} statements per second: "
+             f"{idle['begin/commit']:.1f} of them COMMIT/ROLLBACK, "
+             f"{idle['beat'] + idle['other']:.1f} the beat's reads of the schedule and the "
+             f"store clock, {idle['recover']:.1f} recover scans, "
              f"{idle['leader'] + idle['registry']:.2f} leader and registry renewals.")
     lines.append(text)
 
@@ -813,7 +961,7 @@ def _md_leaseloss(ll: dict[str, Any], lines: list[str], img: Path) -> None:
 
 def _md_memory(tp: dict[str, Any], lines: list[str], img: Path) -> None:
     rows = []
-    for v in ("prefork", "pulse-postgres", "pulse-sqlite"):
+    for v in VARIANTS:
         mine = [r for r in tp["summary"] if r["variant"] == v]
         if mine:
             rows.append([STORE_LABEL[v], f"{statistics.median(r['rss_mb'] for r in mine):.0f}",

@@ -14,6 +14,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import sqlalchemy as sa
+
 from benchmarks import (
     failover,
     infra,
@@ -35,7 +37,15 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "failover": failover.run,
     "leaseloss": leaseloss.run,
 }
-SERVICES = {"PostgreSQL": 5432, "RabbitMQ": 5672, "Redis": 6379}
+
+
+def _mariadb_address() -> tuple[str, int]:
+    url = sa.make_url(infra.MARIADB_URL)  # $PULSE_BENCH_MARIADB
+    return url.host or "127.0.0.1", url.port or 3306
+
+
+SERVICES = {"PostgreSQL": ("127.0.0.1", 5432), "MariaDB": _mariadb_address(),
+            "RabbitMQ": ("127.0.0.1", 5672), "Redis": ("127.0.0.1", 6379)}
 
 
 def _revision() -> str:
@@ -73,12 +83,12 @@ def check_services() -> None:
     import socket
 
     missing = []
-    for name, port in SERVICES.items():
+    for name, (host, port) in SERVICES.items():
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=2):
+            with socket.create_connection((host, port), timeout=2):
                 pass
         except OSError:
-            missing.append(f"{name} (127.0.0.1:{port})")
+            missing.append(f"{name} ({host}:{port})")
     if missing:
         raise SystemExit("benchmarks need these services running: " + ", ".join(missing))
 

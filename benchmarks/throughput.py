@@ -3,8 +3,12 @@
 Method: pre-publish N tasks and a final ``bench.stop`` to a fresh queue, then start a
 worker on that queue. ``worker_ready`` writes the ready time, ``bench.stop`` its own
 start time: rate = N / (stop - ready). Each pulse run gets a fresh, migrated schema
-(or SQLite file). CPU: on-CPU time (schedstat) of the worker's processes (parent vs pool
-children) and of the PostgreSQL backends serving it, from ready to stop.
+(PostgreSQL), database (MariaDB) or SQLite file. CPU, from ready to stop: on-CPU time
+of the worker's processes (parent vs pool children; schedstat) and of the store server
+serving it (``store``): the PostgreSQL backends connected to the benchmark database
+(schedstat), or the whole ``mariadbd`` process (one process with a thread per
+connection, shared with whoever else uses that server meanwhile; utime + stime). SQLite
+runs inside the worker: no server.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from benchmarks import infra
 
 CONCURRENCY = 2
 X = "\u00d7"  # multiplication sign
-VARIANTS = ("prefork", "pulse-postgres", "pulse-sqlite")
+VARIANTS = ("prefork", "pulse-postgres", "pulse-sqlite", "pulse-mariadb")
+#: Stores measured on the main workloads only (2,000 no-op and 1,000 x 10 ms, both
+#: brokers), not on the acks_late ones nor on 20,000 tasks: the full run's time budget.
+MAIN_ONLY = ("pulse-mariadb",)
 #: Peers that keep state in PostgreSQL too, measured beside plain prefork in the same
 #: repeats (full runs, RabbitMQ, default acks only): prefork with Celery's own SQLAlchemy
 #: result backend, and procrastinate (a PostgreSQL job queue, ``-c 2``).
@@ -59,7 +66,9 @@ LATE = [Workload("noop-late-2000", "2,000 no-op, acks_late", "bench.noop_late", 
 
 def variants(broker: str, workload: Workload, quick: bool) -> tuple[str, ...]:
     """What runs for one (broker, workload): the peers only where they compare fairly."""
-    if quick or broker != "rabbitmq" or workload in LATE or workload.n > 2000:
+    if workload in LATE or workload.n > 2000:
+        return tuple(v for v in VARIANTS if v not in MAIN_ONLY)
+    if quick or broker != "rabbitmq":
         return VARIANTS
     return VARIANTS + PEERS
 
@@ -96,6 +105,27 @@ class PgBackends:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+class MariaDBServer:
+    """CPU of the MariaDB server process (all its threads; nothing if not on this host).
+
+    A connection is a thread of one ``mariadbd``, not a process of its own, so the
+    benchmark's connections cannot be told apart from other users' by /proc: this is
+    the whole server, which whoever else uses it during the run adds to.
+    """
+
+    def __init__(self, url: str = infra.MARIADB_URL) -> None:
+        self.pid = infra.mariadb_server_pid(url)
+        if self.pid is None:
+            infra.log(f"the MariaDB server of {url} is not a process on this host: "
+                      f"its CPU is not measured")
+
+    def cpu(self) -> dict[int, float]:
+        return infra.process_cpu_seconds(self.pid) if self.pid is not None else {}
+
+    def close(self) -> None:
+        pass
 
 
 #: A run whose queue does not shrink for this long is stuck (reported, not waited out).
@@ -141,8 +171,11 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
     stop_file = scratch.path("stop")
     pool = "pulse" if variant.startswith("pulse") else "prefork"
     store_kind = variant.split("-", 1)[1] if pool == "pulse" else None
-    backends = PgBackends(database_url) if store_kind == "postgres" or variant == \
-        "prefork-sqla" else None
+    backends: PgBackends | MariaDBServer | None = None
+    if store_kind == "postgres" or variant == "prefork-sqla":
+        backends = PgBackends(database_url)
+    elif store_kind == "mariadb":
+        backends = MariaDBServer()
     with contextlib.ExitStack() as stack:
         store = (stack.enter_context(infra.fresh_store(store_kind, scratch, database_url))
                  if store_kind else None)
@@ -160,7 +193,7 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
         started.append(worker)
         ready = worker.wait_ready(timeout=60)
         parent0, children0 = _cpu_split(worker)
-        pg0 = backends.cpu() if backends else {}
+        store0 = backends.cpu() if backends else {}
 
         progress = Progress(broker_url, queue)
 
@@ -178,7 +211,7 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
         worker.check_undisturbed()
         stop = float(stop_file.read_text().split()[-1])
         parent1, children1 = _cpu_split(worker)
-        pg1 = backends.cpu() if backends else {}
+        store1 = backends.cpu() if backends else {}
         rss, pss = infra.memory(worker.pids())
         elapsed = stop - ready
         worker.kill()
@@ -191,7 +224,7 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
         "cpu_ms_per_task": {
             "parent": 1000 * infra.cpu_delta(parent0, parent1) / n,
             "children": 1000 * infra.cpu_delta(children0, children1) / n,
-            "postgres": 1000 * infra.cpu_delta(pg0, pg1) / n},
+            "store": 1000 * infra.cpu_delta(store0, store1) / n},
         "rss_mb": rss / 2**20, "pss_mb": pss / 2**20,
     }
 
@@ -249,7 +282,7 @@ def run_procrastinate(scratch: infra.Scratch, database_url: str, workload: Workl
         "elapsed_s": elapsed, "rate": n / elapsed, "startup_s": began - worker.started,
         "cpu_ms_per_task": {"parent": 1000 * infra.cpu_delta(proc0, proc1) / n,
                             "children": 0.0,
-                            "postgres": 1000 * infra.cpu_delta(pg0, pg1) / n},
+                            "store": 1000 * infra.cpu_delta(pg0, pg1) / n},
         "rss_mb": rss / 2**20, "pss_mb": pss / 2**20,
     }
 
@@ -287,7 +320,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             ratios = [r["rate"] / base[r["repeat"]] for r in rows if r["repeat"] in base]
             cpu = {k: statistics.median(r["cpu_ms_per_task"][k] for r in rows)
-                   for k in ("parent", "children", "postgres")}
+                   for k in ("parent", "children", "store")}
             out.append({
                 "broker": broker, "workload": workload, "variant": variant,
                 "n": rows[0]["n"], "repeats": len(rows),

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.benchmark
 @pytest.mark.timeout(330)
 def test_benchmark_quick_mode_runs_and_writes_its_report(tmp_path: Path) -> None:
-    for name in ("postgres", "rabbitmq", "redis"):
+    for name in ("postgres", "mariadb", "rabbitmq", "redis"):
         services.require(name)
     out = tmp_path / "report"
     proc = subprocess.run(
