@@ -261,6 +261,7 @@ def test_three_workers_recover_200_expired_reservations_exactly_once(
 
 
 # -- 4. killed on every attempt: failed after the budget ---------------------------------------
+@pytest.mark.parametrize("server_url", SERVERS, indirect=True)
 def test_task_killed_on_every_attempt_fails_after_max_attempts(
         server_url: str, claims_store: SqlStore, rabbitmq_url: str, redis_url: str,
         renv: Callable[..., Env], workers: Callable[..., Worker],
