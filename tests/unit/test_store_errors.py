@@ -35,3 +35,11 @@ def test_contention_is_neither_an_outage_nor_a_lost_lease() -> None:
 def test_a_mysql_syntax_error_is_a_bug_not_an_outage() -> None:
     exc = pymysql.err.ProgrammingError(1064, "You have an error in your SQL syntax")
     assert translate(exc, "reserve", False) is None
+
+
+@pytest.mark.parametrize("error", ["DeadlockDetected", "SerializationFailure"])
+def test_postgres_deadlocks_are_contention(error: str) -> None:
+    import psycopg.errors
+
+    exc = getattr(psycopg.errors, error)("deadlock detected")
+    assert type(translate(exc, "reserve", True)) is Contended

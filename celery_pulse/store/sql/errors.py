@@ -17,6 +17,8 @@ _UNWRITABLE_MARKERS = ("read-only", "readonly", "read only", "disk full", "diskf
 #: MySQL/MariaDB: a deadlock victim and a lock-wait timeout. The transaction was rolled
 #: back and may be run again; PyMySQL reports both as OperationalError, like an outage.
 CONTENTION_CODES = (1213, 1205)
+#: PostgreSQL: deadlock detected, serialization failure. Rolled back, safe to run again.
+_PG_CONTENTION = ("40P01", "40001")
 #: MySQL/MariaDB: no such table.
 _NO_TABLE_CODE = 1146
 
@@ -40,7 +42,7 @@ def translate(orig: BaseException, where: str, lost_connection: bool) -> Excepti
     code = mysql_code(orig)
     if code == _NO_TABLE_CODE:
         return SchemaMissing()
-    if code in CONTENTION_CODES:
+    if code in CONTENTION_CODES or getattr(orig, "sqlstate", None) in _PG_CONTENTION:
         return Contended(f"store contended during {where}: {orig}")
     if (any(marker in text for marker in _MISSING_MARKERS) and "relation" in text) or (
             "no such table" in text):

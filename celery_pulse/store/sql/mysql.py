@@ -257,6 +257,8 @@ class MySqlStore(SqlStore):
                 reason = "taken"
             answers[req.task_id] = Refusal(req.task_id, reason, row.state, row.holder,
                                            int(row.epoch), int(row.retries), row.publication)
+        fresh.sort(key=lambda r: r.task_id)  # one lock order across workers
+        regrants.sort(key=lambda item: item[0].task_id)
         if fresh:
             conn.exec_driver_sql(self._sql("reserve-new", len(fresh), self._insert_sql),
                                  self._insert_params(holder, ttl, [(r, 1, 1) for r in fresh]))

@@ -6,15 +6,18 @@ credential check (token, epoch) and the expiry check by the store clock.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import random
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
 from celery_pulse.errors import (
+    Contended,
     InvalidConfig,
     NotFound,
     NotRegistered,
@@ -75,9 +78,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
 _CHUNK = 500
+#: Attempts of one reservation round that meets a deadlock (PostgreSQL).
+_ROUND_ATTEMPTS = 4
 #: Which answer of :meth:`SqlStore.complete` wins for a task id completed twice in a call.
 _RANK = {"evidence": 0, "duplicate": 1, "applied": 2}
 
@@ -102,6 +109,10 @@ def _grants(rows: Any) -> dict[str, Grant]:
     return {task_id: Grant(task_id, int(epoch), token, float(lease_until), int(attempts),
                            state == RUNNING)
             for task_id, epoch, token, lease_until, attempts, state in rows}
+
+
+def _task_id(item: Any) -> str:
+    return str(item.task_id)
 
 
 def _dumps(value: Any) -> str:
@@ -330,10 +341,24 @@ class SqlStore(Store):
             # A task id twice in one batch: the later copy is decided against the claim as
             # the earlier one left it (a duplicate is refused, a new publication waits).
             for batch in _rounds(list(enumerate(requests)), lambda item: item[1].task_id):
-                answers = self._reserve_round(conn, holder, [r for _, r in batch], ttl)
+                answers = self._round_again_if_contended(functools.partial(
+                    self._reserve_round, conn, holder, [r for _, r in batch], ttl))
                 for (i, _), answer in zip(batch, answers, strict=True):
                     out[i] = answer
         return [answer for answer in out if answer is not None]
+
+    def _round_again_if_contended(self, run: Callable[[], T]) -> T:
+        """Run one round again after a deadlock (PostgreSQL: each round is one autocommit
+        statement, so a failed one left nothing behind; earlier rounds stay committed)."""
+        for attempt in range(_ROUND_ATTEMPTS):
+            try:
+                with translated("reserve"):
+                    return run()
+            except Contended:
+                if attempt == _ROUND_ATTEMPTS - 1 or not self.dialect.is_postgres:
+                    raise
+                time.sleep(0.005 * (attempt + 1) * (0.5 + random.random()))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _reserve_round(self, conn: sa.Connection, holder: str, requests: list[ReserveRequest],
                        ttl: float) -> list[Grant | Refusal]:
@@ -344,7 +369,9 @@ class SqlStore(Store):
     def _reserve_statement(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                            ) -> tuple[str, tuple[Any, ...]]:
         params: list[Any] = []
-        for r in requests:
+        # Rows in task id order: concurrent batches lock their rows in one order, so two
+        # workers reserving the same ids (redeliveries) never deadlock each other.
+        for r in sorted(requests, key=_task_id):
             params += [r.task_id, r.task_name, r.max_attempts, r.policy, r.retries,
                        r.message.body, _dumps(r.message.headers),
                        _dumps(r.message.properties), _dumps(r.message.delivery_info),
@@ -459,7 +486,7 @@ class SqlStore(Store):
     def _start_statement(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
                          ) -> tuple[str, tuple[Any, ...]]:
         params: list[Any] = []
-        for lease in leases:
+        for lease in sorted(leases):  # one lock order (see _reserve_statement)
             params += lease
         params += [ttl, holder]
         return self._start_sql(len(leases)), tuple(params)
@@ -542,7 +569,7 @@ class SqlStore(Store):
 
     def _complete_statement(self, chunk: Sequence[Completion]) -> tuple[str, tuple[Any, ...]]:
         params: list[Any] = []
-        for c in chunk:
+        for c in sorted(chunk, key=_task_id):  # one lock order (see _reserve_statement)
             params += [c.task_id, c.epoch, c.token, _OUTCOME_STATE[c.outcome], c.outcome,
                        c.error]
         return self._complete_sql(len(chunk)), tuple(params)
