@@ -287,22 +287,19 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
 def measure_postgres(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     server = infra.PrivatePostgres({"shared_preload_libraries": "pg_stat_statements",
                                     "pg_stat_statements.track_utility": "on"})
-    try:
-        server.init()
-        stats = PgStats(server)
-        try:
-            return measure(scratch, quick, stats, server.url)
-        finally:
-            stats.close()
-    finally:
-        server.destroy()
+    return _measure_on(scratch, quick, server, PgStats)
 
 
 def measure_mariadb(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
-    server = infra.PrivateMariaDB(MARIADB_SETTINGS)
+    return _measure_on(scratch, quick, infra.PrivateMariaDB(MARIADB_SETTINGS), MariaDBStats)
+
+
+def _measure_on(scratch: infra.Scratch, quick: bool, server: Any,
+                stats_type: type[PgStats] | type[MariaDBStats]) -> dict[str, Any]:
+    """:func:`measure` on a private ``server`` of our own, read through ``stats_type``."""
     try:
         server.init()
-        stats = MariaDBStats(server)
+        stats = stats_type(server)
         try:
             return measure(scratch, quick, stats, server.url)
         finally:

@@ -50,8 +50,6 @@ def _keep_reservations_across_reconnects(c: Any, pulse: Any) -> None:
     def on_close() -> None:
         original()
         pulse.release_unstarted("broker connection lost")
-        # The failing loop turn may have dropped our scheduled drain with the rest.
-        pulse.loop.rearm()
 
     c.on_close = on_close
 
@@ -90,6 +88,7 @@ class Registry(bootsteps.StartStopStep):
             pulse.start_leases()
         else:
             pulse.gate.reapply()
+            # The loop turn the connection failed in may have dropped our drain.
             pulse.loop.rearm()
 
     def stop(self, c: Any) -> None:

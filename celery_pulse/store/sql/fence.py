@@ -47,30 +47,22 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
     @contextmanager
     def fenced(lease: Lease, target: Any) -> Iterator[Any]:
         if isinstance(target, Session):
-            if target.in_transaction():
-                raise InvalidConfig("lease.fenced(session): the session is already in a "
-                                    "transaction; commit or roll back first")
-            with target.begin():
-                conn = target.connection()
-                saved = _guard(conn, lease)
-                try:
-                    yield target
-                    _recheck(conn, lease)
-                finally:
-                    _restore(conn, saved)
-            return
-        if not isinstance(target, sa.Connection):
+            what, noun = "session", "session"
+        elif isinstance(target, sa.Connection):
+            what, noun = "conn", "connection"
+        else:
             raise InvalidConfig("lease.fenced() takes a SQLAlchemy Connection or Session")
         if target.in_transaction():
-            raise InvalidConfig("lease.fenced(conn): the connection is already in a "
+            raise InvalidConfig(f"lease.fenced({what}): the {noun} is already in a "
                                 "transaction; commit or roll back first")
         with target.begin():
-            saved = _guard(target, lease)
+            conn = target.connection() if isinstance(target, Session) else target
+            saved = _guard(conn, lease)
             try:
                 yield target
-                _recheck(target, lease)
+                _recheck(conn, lease)
             finally:
-                _restore(target, saved)
+                _restore(conn, saved)
 
     def _check_database(conn: sa.Connection) -> None:
         if _identity(conn.engine.url) != expected:

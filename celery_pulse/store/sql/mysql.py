@@ -41,6 +41,7 @@ from celery_pulse.store.base import (
     TERMINAL_STATES,
     Completion,
     Grant,
+    Heartbeat,
     LeaderGrant,
     Refusal,
     Registration,
@@ -172,9 +173,7 @@ class MySqlStore(SqlStore):
                          .values(draining=draining))
         self._atomic("set_drain", body)
 
-    def heartbeat(self, worker_id: str, token: str, ttl: float) -> Any:
-        from celery_pulse.store.base import Heartbeat
-
+    def heartbeat(self, worker_id: str, token: str, ttl: float) -> Heartbeat:
         now = self._now
 
         def body(conn: sa.Connection) -> Any:
