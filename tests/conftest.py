@@ -11,7 +11,7 @@ import pytest
 
 from celery_pulse.store.sql import SqlStore, open_store
 from tests.helpers import services
-from tests.helpers.mariadb import Database, PrivateMariaDB
+from tests.helpers.mariadb import PRIVATE_SERVERS, Database, PrivateMariaDB, PrivateServer
 from tests.helpers.pg import PrivatePostgres, Schema
 from tests.helpers.workers import Env, Worker
 
@@ -94,6 +94,15 @@ def server_store(request: pytest.FixtureRequest) -> Iterator[SqlStore]:
     store = _migrated(request.getfixturevalue(STORE_FIXTURES[request.param]))
     yield store
     store.close()
+
+
+@pytest.fixture
+def private_server(request: pytest.FixtureRequest) -> PrivateServer:
+    """A private store server a test stops and starts: PostgreSQL, or the kind named by
+    ``parametrize("private_server", list(PRIVATE_SERVERS), indirect=True)``."""
+    server: PrivateServer = request.getfixturevalue(
+        PRIVATE_SERVERS[getattr(request, "param", "postgres")])
+    return server
 
 
 @pytest.fixture

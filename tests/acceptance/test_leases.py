@@ -529,13 +529,6 @@ def test_reservation_lost_while_waiting_is_dropped_not_run(
 
 
 # -- 5. store outage: self-fence before the store could re-grant -------------------------------
-@pytest.fixture
-def private_server(request: pytest.FixtureRequest) -> PrivateServer:
-    """A private store server of the kind in ``request.param``, which the test stops."""
-    server: PrivateServer = request.getfixturevalue(PRIVATE_SERVERS[request.param])
-    return server
-
-
 def _audit_leases(store_db: Claims) -> None:
     """Keep every lease_until the store ever grants in ``lease_audit`` (Recover may
     rewrite the claim row later)."""

@@ -189,15 +189,6 @@ def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
 
 
 @pytest.fixture
-def private_server(request: pytest.FixtureRequest) -> PrivateServer:
-    """The private store server the nemesis stops: PostgreSQL, or the kind named by
-    ``parametrize("private_server", PRIVATE_SERVERS, indirect=True)``."""
-    server: PrivateServer = request.getfixturevalue(
-        PRIVATE_SERVERS[getattr(request, "param", "postgres")])
-    return server
-
-
-@pytest.fixture
 def fault_env(private_server: PrivateServer, make_env: Callable[..., Env]
               ) -> Callable[[str], Env]:
     def make(broker: str) -> Env:
