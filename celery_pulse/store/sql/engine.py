@@ -70,9 +70,9 @@ def _mysql_engine(parsed: sa.URL) -> sa.Engine:
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        with dbapi_conn.cursor() as cur:
-            cur.execute("SELECT @@version")
-            if "mariadb" in str(cur.fetchone()[0]).lower():  # MySQL has no equivalent
+        # The server's version comes with the handshake: no query to tell them apart.
+        if "mariadb" in dbapi_conn.get_server_info().lower():  # MySQL has no equivalent
+            with dbapi_conn.cursor() as cur:
                 cur.execute(f"SET SESSION idle_transaction_timeout = {IDLE_IN_TRANSACTION_S}")
 
     return engine
