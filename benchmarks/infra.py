@@ -416,14 +416,16 @@ def fresh_mariadb(base_url: str = MARIADB_URL) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def fresh_store(kind: str, scratch: Scratch, database_url: str) -> Iterator[str]:
+def fresh_store(kind: str, scratch: Scratch, database_url: str,
+                mariadb_url: str = MARIADB_URL) -> Iterator[str]:
     """A fresh store of ``kind``: a schema in the PostgreSQL ``database_url``, a database
-    on the MariaDB server of :data:`MARIADB_URL`, or a SQLite file in ``scratch``."""
+    on the MariaDB server of ``mariadb_url`` (its driver too), or a SQLite file in
+    ``scratch``."""
     if kind == "postgres":
         with fresh_pg_schema(database_url) as url:
             yield url
     elif kind == "mariadb":
-        with fresh_mariadb() as url:
+        with fresh_mariadb(mariadb_url) as url:
             yield url
     elif kind == "sqlite":
         with fresh_sqlite(scratch) as url:

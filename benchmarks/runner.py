@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from benchmarks import (
+    drivers,
     failover,
     infra,
     leaseloss,
@@ -36,6 +37,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "recovery": recovery.run,
     "failover": failover.run,
     "leaseloss": leaseloss.run,
+    "drivers": drivers.run,
 }
 
 

@@ -162,8 +162,9 @@ def _cpu_split(worker: infra.Worker) -> tuple[dict[int, float], dict[int, float]
 
 
 def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str,
-            workload: Workload) -> dict[str, Any]:
-    """One measured run; returns its figures."""
+            workload: Workload, mariadb_url: str = infra.MARIADB_URL) -> dict[str, Any]:
+    """One measured run; returns its figures (``mariadb_url``: the server and driver of a
+    ``pulse-mariadb`` run)."""
     if variant == "procrastinate":
         return run_procrastinate(scratch, database_url, workload)
     broker_url = infra.BROKERS[broker]
@@ -177,7 +178,8 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
     elif store_kind == "mariadb":
         backends = MariaDBServer()
     with contextlib.ExitStack() as stack:
-        store = (stack.enter_context(infra.fresh_store(store_kind, scratch, database_url))
+        store = (stack.enter_context(infra.fresh_store(store_kind, scratch, database_url,
+                                                       mariadb_url))
                  if store_kind else None)
         conf = None
         if variant == "prefork-sqla":  # Celery's own SQLAlchemy result backend

@@ -17,8 +17,9 @@ from urllib.parse import urlsplit, urlunsplit
 from celery_pulse.errors import InvalidConfig
 
 #: URL schemes the SQL store understands (SQLAlchemy dialect+driver names).
-STORE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg", "mysql",
-                 "mysql+pymysql", "mariadb", "mariadb+pymysql")
+STORE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg",
+                 *(f"{family}{driver}" for family in ("mysql", "mariadb")
+                   for driver in ("", "+pymysql", "+mysqldb", "+mariadbconnector")))
 ON_LOST_POLICIES = ("redispatch", "review")
 DEFAULT_STORE_DIR = ".celery-pulse"
 
@@ -49,7 +50,8 @@ class Settings:
     store_url: str = dataclasses.field(
         default_factory=default_store_url,
         metadata=_doc("SQLAlchemy URL of the store (PostgreSQL via psycopg 3, "
-                      "MySQL/MariaDB via PyMySQL, or SQLite).",
+                      "MySQL/MariaDB via PyMySQL unless the URL names mysqldb or "
+                      "mariadbconnector, or SQLite).",
                       "SQLite file ./.celery-pulse/pulse.sqlite3"),
     )
     worker_ttl: float = dataclasses.field(

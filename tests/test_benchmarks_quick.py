@@ -36,10 +36,11 @@ def test_benchmark_quick_mode_runs_and_writes_its_report(tmp_path: Path) -> None
     assert "| What | pulse | Baseline | Ratio / detail | Target | Verdict |" in page
     assert "python -m benchmarks run --quick" in page
     for section in ("1. Throughput", "2. SQL cost", "3. Store scale", "4. Recovery",
-                    "5. Leader failover", "6. Lease-loss reaction", "7. Memory"):
+                    "5. Leader failover", "6. Lease-loss reaction", "7. Memory",
+                    "8. MySQL/MariaDB drivers"):
         assert f"## {section}" in page, section
     assert "This section failed" not in page
-    assert page.count("**What this means.**") >= 7
+    assert page.count("**What this means.**") >= 8
     # Raw results and the plots the page links to.
     results = json.loads((out / "benchmarks.json").read_text())
     assert not [k for k, v in results["sections"].items() if "error" in v]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
+
 from celery_pulse.contrib import services as plugin_services
 from celery_pulse.contrib.services import IN_CI, reachable
 
 __all__ = ["IN_CI", "MARIADB_ADMIN_URL", "PG_ADMIN_URL", "RABBIT_URL", "REDIS_URL", "SERVICES", "reachable",
-           "require", "tidy_queue"]
+           "require", "require_module", "tidy_queue"]
 
 SERVICES = {
     "postgres": ("127.0.0.1", 5432),
@@ -27,6 +29,19 @@ REDIS_URL = os.environ.get("PULSE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 def require(name: str) -> None:
     """Skip (locally) or fail (CI) when service ``name`` is not reachable."""
     plugin_services.require(name, *SERVICES[name])
+
+
+def require_module(module: str, install: str) -> None:
+    """Skip (locally) or fail (CI) when the optional ``module`` is not installed."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        message = f"{module} is not installed ({install})"
+        if IN_CI:
+            pytest.fail(f"{message} (CI=true: .ci/run installs it)", pytrace=False)
+        pytest.skip(message)
 
 
 def tidy_queue(broker_url: str, queue: str) -> None:

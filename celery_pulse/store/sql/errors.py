@@ -23,12 +23,20 @@ _PG_CONTENTION = ("40P01", "40001")
 _NO_TABLE_CODE = 1146
 
 
+#: The MySQL/MariaDB drivers' modules: PyMySQL and mysqlclient put the error number first
+#: in ``args``; MariaDB Connector/Python keeps it in ``errno``.
+_MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mariadb")
+
+
 def mysql_code(orig: BaseException | None) -> int | None:
     """The MySQL/MariaDB error number of a driver error (None for other drivers)."""
-    args = getattr(orig, "args", ())
-    code = args[0] if args else None
-    return code if isinstance(code, int) and type(orig).__module__.startswith("pymysql") \
-        else None
+    if orig is None or not type(orig).__module__.startswith(_MYSQL_DRIVERS):
+        return None
+    code = getattr(orig, "errno", None)
+    if code is None:
+        args = getattr(orig, "args", ())
+        code = args[0] if args else None
+    return code if isinstance(code, int) else None
 
 
 def translate(orig: BaseException, where: str, lost_connection: bool) -> Exception | None:
