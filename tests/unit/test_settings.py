@@ -112,13 +112,15 @@ def test_counts_at_least_one(name: str) -> None:
     "mysql://u@h/db",
     "mysql+pymysql://u:pw@h:3306/db",
     "mariadb+pymysql://u:pw@h/db",
+    "mysql+mysqldb://u:pw@h/db",
+    "mariadb+mariadbconnector://u:pw@h/db",
 ])
 def test_known_store_schemes(url: str) -> None:
     assert Settings(store_url=url).store_url == url
 
 
 @pytest.mark.parametrize("url", [
-    "mysql+mysqldb://pulse:s3cr3t-pw@db.example:3306/pulse",
+    "mysql+asyncmy://pulse:s3cr3t-pw@db.example:3306/pulse",
     "postgresql+asyncpg://pulse:s3cr3t-pw@db.example/pulse",
     "redis://:s3cr3t-pw@localhost:6379/0",
 ])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pymysql
 import pytest
 
-from celery_pulse.errors import Contended, SchemaMissing, StoreUnavailable
-from celery_pulse.store.sql.errors import translate
+from celery_pulse.errors import Contended, InvalidConfig, SchemaMissing, StoreUnavailable
+from celery_pulse.store.sql.engine import make_engine
+from celery_pulse.store.sql.errors import mysql_code, translate
 
 
 @pytest.mark.parametrize(("code", "text", "lost", "expected"), [
@@ -43,3 +46,25 @@ def test_postgres_deadlocks_are_contention(error: str) -> None:
 
     exc = getattr(psycopg.errors, error)("deadlock detected")
     assert type(translate(exc, "reserve", True)) is Contended
+
+
+def test_mysql_error_numbers_of_each_driver() -> None:
+    """mysqlclient puts the number first in ``args`` as PyMySQL does; MariaDB Connector/
+    Python keeps it in ``errno``. Classes are made here with each driver's module name, so
+    the test runs whether or not the C drivers are installed."""
+    mysqldb_error = type("OperationalError", (Exception,), {"__module__": "MySQLdb._exceptions"})
+    connector_error = type("OperationalError", (Exception,), {"__module__": "mariadb"})
+    by_connector = connector_error("Deadlock found when trying to get lock")
+    by_connector.errno = 1213
+    assert mysql_code(mysqldb_error(1213, "Deadlock found")) == 1213
+    assert mysql_code(by_connector) == 1213
+    assert type(translate(by_connector, "reserve", True)) is Contended
+    # Another driver's exception with an int first argument is not a MySQL error number.
+    assert mysql_code(OSError(1213, "not a server error")) is None
+
+
+def test_a_mysql_driver_that_is_not_installed_names_the_setting_and_the_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)  # import MySQLdb now raises ImportError
+    with pytest.raises(InvalidConfig, match=r"pulse_store_url.*mysqldb.*pip install mysqlclient"):
+        make_engine("mysql+mysqldb://root@127.0.0.1:3306/test")
