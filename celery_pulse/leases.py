@@ -50,6 +50,12 @@ LOST_MEMORY = 300.0
 #: this many ops share an exchange.
 LINGER = 0.002
 BATCH = 64
+#: ... but no longer than this after the last op arrived: a burst (the deliveries of one
+#: socket read, the results of one loop turn) has come in whole by then. Lingering the
+#: full :data:`LINGER` after a burst kept the broker's prefetch window (no more
+#: reservations in flight than it holds) idle for most of it: 2,000 no-op tasks ran at
+#: 1,281 tasks/s that way, 1,544 with this (RabbitMQ, ``-c 2``, medians of 3).
+QUIET = 0.0002
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -395,9 +401,11 @@ class LeaseKeeper:
         pending: dict[str, list[tuple[str, Any, Any, bool]]] = {
             "complete": [], "reserve": [], "start": []}
         due_at: float | None = None  # when what lingers goes out
-        delay = 0.2
+        quiet_at: float | None = None  # ... or sooner, once no op came for QUIET
+        delay = 0.2  # backoff of failed completions (reset by an exchange that worked)
         while True:
-            timeout = None if due_at is None else max(0.0, due_at - time.monotonic())
+            wake = due_at if quiet_at is None or due_at is None else min(due_at, quiet_at)
+            timeout = None if wake is None else max(0.0, wake - time.monotonic())
             batch = self._take(timeout)
             if None in batch and not closing:
                 closing = True
@@ -418,8 +426,12 @@ class LeaseKeeper:
                 continue
             if due_at is None:
                 due_at = now + LINGER
-            if not (urgent or count >= BATCH or now >= due_at):
+            if batch and delay == 0.2:  # not while failed completions back off
+                quiet_at = now + QUIET
+            if not (urgent or count >= BATCH or now >= due_at
+                    or (quiet_at is not None and now >= quiet_at)):
                 continue
+            quiet_at = None
             completes = pending["complete"]
             failed = self._exchange(completes, pending["reserve"], pending["start"])
             pending["reserve"], pending["start"] = [], []
