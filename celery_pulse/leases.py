@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from celery_pulse.errors import PulseError, StoreUnavailable
+from celery_pulse.errors import Contended, PulseError, StoreUnavailable
 from celery_pulse.store.base import (
     RETRY,
     ClaimStore,
@@ -136,6 +136,9 @@ class Counters:
     renewals: int = 0
     renew_failures: int = 0
     store_errors: int = 0
+    #: Reservations the store refused to decide for contention (rows locked by other
+    #: workers through all of its retries): tried again, not counted as store errors.
+    contended: int = 0
     #: Hot-path exchanges with the store (one round trip each on PostgreSQL) and the
     #: operations they carried: what the group commit saves is ops / exchanges.
     exchanges: int = 0
@@ -483,7 +486,8 @@ class LeaseKeeper:
                 f"exchange failed: {exc!r}")
             if not isinstance(exc, PulseError):
                 logger.exception("pulse: store exchange failed")
-            self.counters.store_errors += 1
+            if not isinstance(exc, Contended):  # the store answered: counted by the intake
+                self.counters.store_errors += 1
             self._answer(reserves, [failure] * len(reserves), sent)
             self._answer(starts, [failure] * len(starts))
             return failure

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_pulse.bootsteps.loop import LoopCaller
-from celery_pulse.errors import PulseError
+from celery_pulse.errors import Contended, PulseError
 from celery_pulse.leases import LocalClaim
 from celery_pulse.store.base import FAILED, Grant, Message, Refusal, ReserveRequest
 
@@ -42,6 +42,10 @@ FIXED_PUBLICATION_HEADER = "pulse_pub_fixed"
 #: A delivery waiting for an attempt of its task id to end looks again this often
 #: (seconds), in case no end is reported (the end normally wakes it at once).
 WAIT_POLL = 1.0
+#: Seconds before a delivery whose reservation met contention is reserved again. The
+#: store already retried it (other workers held its rows meanwhile): not an outage, so
+#: consumption goes on and this one delivery waits a little.
+CONTENDED_RETRY = 0.05
 
 
 class CeleryVerdict:
@@ -333,6 +337,10 @@ class Intake:
                 results, sent = self.keeper.reserve_now([request])
                 on_result(results[0], sent)
                 return
+            except Contended as exc:
+                self._contended(request, exc)
+                time.sleep(CONTENDED_RETRY)
+                continue
             except PulseError as exc:
                 self._store_error(exc)
                 if self.pulse.stopping:
@@ -346,6 +354,11 @@ class Intake:
                          "pausing consumption until the store answers", exc)
             self.pulse.gate.close("store unreachable")
         self._backoff = min(self._backoff * 2, 2.0)
+
+    def _contended(self, request: ReserveRequest, exc: Contended) -> None:
+        self.keeper.counters.contended += 1
+        logger.warning("pulse: reserving %s[%s] met contention in the store, trying again: "
+                       "%s", request.task_name, request.task_id, exc)
 
     def _store_ok(self) -> None:
         self._backoff = 0.1
@@ -379,6 +392,9 @@ class Intake:
             elif isinstance(result, Refusal):
                 self._store_ok()
                 self._refused(result, request, message, body, callbacks, handler)
+            elif isinstance(result, Contended):
+                self._contended(request, result)
+                self.loop.later(CONTENDED_RETRY, handler, message, body, None, None, callbacks)
             else:
                 self._store_error(result if isinstance(result, PulseError)
                                   else PulseError(str(result)))

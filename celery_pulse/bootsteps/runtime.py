@@ -348,6 +348,7 @@ class PulseWorker:
                        "stale_completions": counters.stale_completions,
                        "renewals": counters.renewals, "renew_failures": counters.renew_failures,
                        "store_errors": counters.store_errors,
+                       "contended": counters.contended,
                        "exchanges": counters.exchanges,
                        "exchanged_ops": counters.exchanged_ops},
             "recover": dict(self.recoverer.counts),
