@@ -56,6 +56,8 @@ BATCH = 64
 #: reservations in flight than it holds) idle for most of it: 2,000 no-op tasks ran at
 #: 1,281 tasks/s that way, 1,544 with this (RabbitMQ, ``-c 2``, medians of 3).
 QUIET = 0.0002
+#: Seconds before completions the store could not take are sent again (doubling to 2 s).
+FIRST_BACKOFF = 0.2
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -405,7 +407,7 @@ class LeaseKeeper:
             "complete": [], "reserve": [], "start": []}
         due_at: float | None = None  # when what lingers goes out
         quiet_at: float | None = None  # ... or sooner, once no op came for QUIET
-        delay = 0.2  # backoff of failed completions (reset by an exchange that worked)
+        delay = FIRST_BACKOFF  # of failed completions (reset by an exchange that worked)
         while True:
             wake = due_at if quiet_at is None or due_at is None else min(due_at, quiet_at)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
@@ -429,7 +431,7 @@ class LeaseKeeper:
                 continue
             if due_at is None:
                 due_at = now + LINGER
-            if batch and delay == 0.2:  # not while failed completions back off
+            if batch and delay == FIRST_BACKOFF:  # not while failed completions back off
                 quiet_at = now + QUIET
             if not (urgent or count >= BATCH or now >= due_at
                     or (quiet_at is not None and now >= quiet_at)):
@@ -439,7 +441,7 @@ class LeaseKeeper:
             failed = self._exchange(completes, pending["reserve"], pending["start"])
             pending["reserve"], pending["start"] = [], []
             if failed is None:
-                pending["complete"], delay, due_at = [], 0.2, None
+                pending["complete"], delay, due_at = [], FIRST_BACKOFF, None
             elif closing and self.monotonic() > give_up:
                 logger.error("pulse: could not record %d completion(s) before exit: %s",
                              len(completes), failed)
