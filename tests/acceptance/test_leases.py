@@ -106,7 +106,14 @@ def wait_event(path: Path, word: str, timeout: float, workers_: tuple[Worker, ..
             if w.proc.poll() is not None:
                 raise AssertionError(f"worker {w.name} exited:\n{w.log()[-3000:]}")
         return first(path, word)
-    found: list[str] = wait_for(seen, timeout, f"{path.name} to record {word!r}")
+    deadline = time.monotonic() + timeout
+    while (found := seen()) is None:
+        if time.monotonic() > deadline:  # say where the worker stopped, not only that
+            recorded = path.read_text() if path.exists() else "(no file)"
+            tails = "\n".join(f"--- {w.name}:\n{w.log()[-4000:]}" for w in workers_)
+            pytest.fail(f"timed out after {timeout}s waiting for {path.name} to record "
+                        f"{word!r}; it holds:\n{recorded}\n{tails}")
+        time.sleep(0.02)
     return found
 
 
