@@ -339,6 +339,8 @@ class Intake:
                 return
             except Contended as exc:
                 self._contended(request, exc)
+                if self.pulse.stopping:
+                    return
                 time.sleep(CONTENDED_RETRY)
                 continue
             except PulseError as exc:
