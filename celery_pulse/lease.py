@@ -37,6 +37,9 @@ class Lease:
         self._fencer = fencer
         self._initial_deadline = initial_deadline
         self._lost_signalled = False
+        #: A LeaseLost was raised into the task already (by a check, a fenced block or
+        #: the signal): the signal raises no second one while the task unwinds the first.
+        self.raised = False
 
     def __repr__(self) -> str:
         return (f"<Lease task_id={self.task_id!r} epoch={self.epoch} "
@@ -65,7 +68,18 @@ class Lease:
     def check(self) -> None:
         """Raise :class:`LeaseLost` if this task no longer holds its lease."""
         if self.lost:
-            raise LeaseLost(self.lost_message())
+            raise self.lost_error()
+
+    def lost_error(self, detail: str = "") -> LeaseLost:
+        """The :class:`LeaseLost` to raise into the task now (the lease is lost for good).
+
+        Remembered, because a second one raised by the signal while the task unwinds the
+        first would land anywhere: inside a library's rollback it broke SQLAlchemy's own
+        state, and the task ended with an AssertionError instead of LeaseLost.
+        """
+        self._lost_signalled = True
+        self.raised = True
+        return LeaseLost(self.lost_message() + detail)
 
     def lost_message(self) -> str:
         return (f"lease lost for task {self.task_id} epoch {self.epoch} "

@@ -27,7 +27,7 @@ import weakref
 from types import CodeType, FrameType
 from typing import Any
 
-from celery_pulse.errors import LeaseLost, PulseError
+from celery_pulse.errors import PulseError
 from celery_pulse.lease import Lease, _set_current, current_lease
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.store.sql.fence import make_fencer
@@ -117,9 +117,11 @@ def _on_lease_signal(signum: int, frame: FrameType | None) -> None:
     if not lease.lost:  # a late signal meant for an earlier task in this child
         return
     lease.mark_lost()
+    if lease.raised:  # the task is unwinding a LeaseLost already: don't interrupt that
+        return
     while frame is not None:
         if frame.f_code in codes:
-            raise LeaseLost(lease.lost_message())
+            raise lease.lost_error()
         frame = frame.f_back
 
 

@@ -23,7 +23,7 @@ import sqlalchemy.exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from celery_pulse.errors import InvalidConfig, LeaseLost
+from celery_pulse.errors import InvalidConfig
 from celery_pulse.lease import Lease
 from celery_pulse.store.base import LIVE_STATES
 from celery_pulse.store.sql.dialect import Dialect
@@ -93,8 +93,7 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
         else:
             held = conn.execute(guard.returning(claims.c.task_id)).first() is not None
         if not held:
-            lease.mark_lost()
-            raise LeaseLost(lease.lost_message() + " (the store refused the fenced write)")
+            raise lease.lost_error(" (the store refused the fenced write)")
         return saved
 
     def _recheck(conn: sa.Connection, lease: Lease) -> None:
@@ -105,8 +104,7 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
             .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
                    claims.c.state.in_(LIVE_STATES), claims.c.lease_until > dialect.now())).first()
         if still is None:
-            lease.mark_lost()
-            raise LeaseLost(lease.lost_message() + " (expired before commit)")
+            raise lease.lost_error(" (expired before commit)")
 
     return fenced
 
