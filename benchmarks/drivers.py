@@ -82,8 +82,7 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     missing = [d for d in MYSQL_DRIVERS if d not in drivers]
     repeats = 1 if quick else 3
     tasks = 200 if quick else TASKS_PER_BATCH_SIZE
-    workload = throughput.Workload("noop-500", "500 no-op", "bench.noop", (), 500) if quick \
-        else throughput.workloads(False)[0]
+    workload = throughput.workloads(quick)[0]  # the no-op run: 500 quick, 2,000 in full
     database_url = infra.ensure_bench_database()
     hot: list[dict[str, Any]] = []
     worker: list[dict[str, Any]] = []
