@@ -339,7 +339,8 @@ class ClaimStore(abc.ABC):
 
     @abc.abstractmethod
     def purge_finished(self, older_than: float, limit: int = 500) -> int:
-        """Delete up to ``limit`` finished claims older than ``older_than`` seconds."""
+        """Delete up to ``limit`` finished claims older than ``older_than`` seconds (and
+        as many results of the ``pulse://`` backend past their ``result_expires``)."""
 
     @abc.abstractmethod
     def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000

@@ -25,7 +25,9 @@ from tests.contract import (
     test_migrations,
     test_recover_contract,
     test_registry_contract,
+    test_results_contract,
 )
+from tests.contract.test_results_contract import backend  # noqa: F401 - the results' fixture
 from tests.helpers import services
 from tests.helpers.mariadb import Database
 
@@ -34,7 +36,7 @@ DRIVERS = [pytest.param(name, id=name, marks=pytest.mark.mariadb)
 
 
 #: The fixtures the contract suites take a store or its URL from; overridden here.
-STORE_FIXTURES = ("store", "sql_store", "server_store", "store_url")
+STORE_FIXTURES = ("store", "sql_store", "server_store", "store_url", "backend")
 
 
 @pytest.fixture(params=DRIVERS)
@@ -75,7 +77,7 @@ def _store_tests(module: ModuleType) -> dict[str, object]:
 
 
 for _module in (test_claims_contract, test_recover_contract, test_registry_contract,
-                test_leader_beat_contract, test_migrations):
+                test_leader_beat_contract, test_migrations, test_results_contract):
     globals().update(_store_tests(_module))
 
 

@@ -413,7 +413,9 @@ class MySqlStore(SqlStore):
                          .with_dialect_options(mysql_limit=limit))
             return int(deleted)
 
-        return self._atomic("purge", body)
+        deleted = self._atomic("purge", body)
+        self._results().purge_expired(limit)
+        return deleted
 
     # -- leader election and beat --------------------------------------------------------
     def try_acquire(self, key: str, holder: str, ttl: float, token: str | None = None

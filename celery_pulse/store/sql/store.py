@@ -61,6 +61,7 @@ from celery_pulse.store.sql import migrate
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import make_engine
 from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.results import ResultRows
 from celery_pulse.store.sql.tables import (
     beat_slots,
     beat_state,
@@ -131,6 +132,7 @@ class SqlStore(Store):
         self._reserve_sql_cache: dict[int, str] = {}
         self._sql_cache: dict[tuple[str, int], str] = {}
         self._pipeline: Pipeline | None = None
+        self._result_rows: ResultRows | None = None
         if self.dialect.is_postgres:
             from celery_pulse.store.sql.pipeline import Pipeline
 
@@ -650,7 +652,14 @@ class SqlStore(Store):
         with translated("purge"), self.engine.begin() as conn:
             deleted = conn.execute(sa.delete(claims).where(claims.c.task_id.in_(ids))).rowcount
             conn.execute(sa.delete(evidence).where(evidence.c.id.in_(old_evidence)))
+        self._results().purge_expired(limit)
         return deleted
+
+    def _results(self) -> ResultRows:
+        """The result backend's rows (``pulse://``): their expired ones go with retention."""
+        if self._result_rows is None:
+            self._result_rows = ResultRows(self.engine)
+        return self._result_rows
 
     def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
                     ) -> list[ClaimInfo]:

@@ -163,3 +163,21 @@ drains = sa.Table(
     sa.Column("requested_at", SECONDS, nullable=False),
     **TABLE_OPTIONS,
 )
+
+#: The ``pulse://`` result backend: Celery's keys (task meta, saved groups, chord
+#: counters) and their values. ``state`` is a task meta's Celery state, so that "a
+#: success is final" is decided by the upsert itself, not by a read before it.
+results = sa.Table(
+    "pulse_results",
+    metadata,
+    sa.Column("key", sa.String(512), primary_key=True),
+    sa.Column("value", BLOB),
+    sa.Column("counter", sa.BigInteger),
+    sa.Column("state", sa.String(32)),
+    sa.Column("updated_at", SECONDS, nullable=False),
+    sa.Column("expires_at", SECONDS),
+    sa.Index("ix_pulse_results_expires", "expires_at",
+             postgresql_where=sa.text("expires_at IS NOT NULL"),
+             sqlite_where=sa.text("expires_at IS NOT NULL")),
+    **TABLE_OPTIONS,
+)

@@ -1,0 +1,136 @@
+"""``result_backend = "pulse://"``: Celery's results in the pulse store.
+
+A key-value backend (Celery's ``KeyValueStoreBackend``) over the store's
+``pulse_results`` table (:mod:`celery_pulse.store.sql.results`). Registered under the
+``celery.result_backends`` entry point, so ``celery -A proj ...``, Flower and a client
+that runs no worker resolve it from the URL alone:
+
+* ``pulse://``: the store named by ``pulse_store_url`` (the embedded SQLite default when
+  unset);
+* ``pulse+<store url>``, e.g. ``pulse+postgresql+psycopg://host/db``: that store.
+
+It behaves as Celery's Redis backend does where the two can: results expire after
+``result_expires``, ``incr`` is atomic (so chords count their parts in the store, with no
+``chord_unlock`` polling), and a success is final: a duplicate or stale attempt can't
+overwrite it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from celery import states
+from celery.backends.base import KeyValueStoreBackend
+from celery.exceptions import ImproperlyConfigured
+
+from celery_pulse.errors import InvalidConfig, StoreUnavailable
+from celery_pulse.settings import STORE_SCHEMES, Settings, mask_url
+
+
+def store_url_for(url: str | None, conf: Any) -> str:
+    """The store URL a backend URL names (``pulse://`` -> ``pulse_store_url``)."""
+    if url is None or url in ("pulse://", "pulse:///", "pulse"):
+        try:
+            return Settings.from_conf(conf).store_url
+        except InvalidConfig as exc:
+            raise ImproperlyConfigured(f"result_backend 'pulse://': {exc}") from exc
+    scheme = url.partition("://")[0]
+    if scheme not in STORE_SCHEMES:
+        raise ImproperlyConfigured(
+            f"result_backend: {mask_url(url)!r} names no pulse store; use 'pulse://' (the "
+            f"store of pulse_store_url) or 'pulse+<store url>' with one of "
+            f"{', '.join(STORE_SCHEMES)}")
+    return url
+
+
+class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
+    """Celery results in the pulse store (``pulse://``)."""
+
+    key_t = str
+    implements_incr = True
+    #: Expired rows read as absent at once and are purged with the finished claims:
+    #: Celery need not schedule ``celery.backend_cleanup``.
+    supports_autoexpire = True
+    supports_native_join = False
+
+    def __init__(self, app: Any = None, url: str | None = None, **kwargs: Any) -> None:
+        super().__init__(app=app, url=url, **kwargs)
+        self.url = url or "pulse://"
+        self.store_url = store_url_for(url, self.app.conf)
+        self._rows_by_pid: tuple[int, Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def rows(self) -> Any:
+        """This process's table handle: a forked child makes its own engine, never
+        sharing the parent's connections."""
+        held = self._rows_by_pid
+        if held is not None and held[0] == os.getpid():
+            return held[1]
+        with self._lock:
+            held = self._rows_by_pid
+            if held is None or held[0] != os.getpid():
+                from celery_pulse.store.sql.engine import make_engine
+                from celery_pulse.store.sql.results import ResultRows
+
+                held = self._rows_by_pid = (os.getpid(), ResultRows(make_engine(self.store_url)))
+        return held[1]
+
+    def as_uri(self, include_password: bool = False) -> str:
+        if self.url == "pulse://":
+            return self.url
+        return "pulse+" + (self.store_url if include_password else mask_url(self.store_url))
+
+    def __reduce__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                   ) -> Any:
+        kwargs = dict(kwargs or {}, url=self.url)
+        return super().__reduce__(args, kwargs)
+
+    # -- the key-value operations Celery's base class is written against ------------------
+    def get(self, key: str) -> bytes | None:
+        value: bytes | None = self.rows.get(key)
+        return value
+
+    def mget(self, keys: list[str]) -> list[bytes | None]:
+        values: list[bytes | None] = self.rows.mget([str(k) for k in keys])
+        return values
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._set_with_state(key, value, None)
+
+    def _set_with_state(self, key: str, value: bytes | str, state: str | None) -> None:
+        data = value.encode() if isinstance(value, str) else value
+        is_task = key.startswith(self.task_keyprefix)
+        self.rows.set(key, data, state=state if is_task else None, expires=self.expires,
+                      final=states.SUCCESS if is_task else None)
+
+    def delete(self, key: str) -> None:
+        self.rows.delete([key])
+
+    def incr(self, key: str) -> int:
+        value: int = self.rows.incr(key, self.chord_expires)
+        return value
+
+    def expire(self, key: str, value: float | None) -> None:
+        self.rows.expire(key, value)
+
+    def cleanup(self) -> None:
+        """``celery.backend_cleanup``: delete expired rows now (retention does it too)."""
+        while self.rows.purge_expired():
+            pass
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        """With ``result_backend_always_retry``: an unreachable store is retried."""
+        return isinstance(exc, StoreUnavailable)
+
+    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                      request: Any = None, **kwargs: Any) -> Any:
+        """One statement: the upsert itself keeps a success final (Celery's key-value
+        backends read the row first, and a write between the two could still replace it)."""
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback,
+                                     request=request)
+        meta["task_id"] = str(task_id)
+        self._set_with_state(self.get_key_for_task(task_id), self.encode(meta), state)
+        return result

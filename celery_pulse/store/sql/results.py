@@ -1,0 +1,169 @@
+"""Keys and values of the ``pulse://`` result backend, in the store's ``pulse_results``.
+
+A key-value table with the few operations Celery's key-value backends need (get, mget,
+set, delete, incr, expire), judged by the store clock: a row past ``expires_at`` reads as
+absent at once and is deleted later, with the finished claims (retention). Knows nothing
+of Celery: the backend (:mod:`celery_pulse.backend`) names the keys and encodes values.
+
+Two rules are decided by the statement itself, never by a read before it:
+
+* ``set(..., final=...)``: a row whose state is ``final`` (Celery's ``SUCCESS``) is never
+  overwritten: a duplicate or stale attempt cannot replace a success.
+* ``incr``: one atomic upsert per call, so concurrent chord parts each count once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.tables import results
+
+#: Rows deleted per statement by :meth:`ResultRows.purge_expired`.
+PURGE_BATCH = 500
+
+
+class ResultRows:
+    """The ``pulse_results`` table on one engine."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.dialect = Dialect(engine.dialect.name)
+        self._now = self.dialect.now()
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    @contextmanager
+    def _write(self, where: str) -> Iterator[sa.Connection]:
+        """One atomic write: autocommit on PostgreSQL (one round trip), a transaction
+        elsewhere (SQLite's takes the write lock at BEGIN)."""
+        with translated(where):
+            if self.dialect.is_postgres:
+                with self._autocommit.connect() as conn:
+                    yield conn
+            else:
+                with self.engine.begin() as conn:
+                    yield conn
+
+    @contextmanager
+    def _read(self, where: str) -> Iterator[sa.Connection]:
+        with translated(where):
+            engine = self._autocommit if self.dialect.is_postgres else self.engine
+            with engine.connect() as conn:
+                yield conn
+
+    def _live(self) -> sa.ColumnElement[bool]:
+        return sa.or_(results.c.expires_at.is_(None), results.c.expires_at > self._now)
+
+    def _until(self, seconds: float | None) -> Any:
+        return None if not seconds else self._now + float(seconds)
+
+    # -- reads ------------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        with self._read("result get") as conn:
+            value = conn.execute(sa.select(results.c.value).where(
+                results.c.key == key, self._live())).scalar_one_or_none()
+        return None if value is None else bytes(value)
+
+    def mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        with self._read("result mget") as conn:
+            rows = dict(conn.execute(sa.select(results.c.key, results.c.value).where(
+                results.c.key.in_(list(keys)), self._live())).tuples().all())
+        return [None if rows.get(k) is None else bytes(rows[k]) for k in keys]
+
+    def counter(self, key: str) -> int | None:
+        with self._read("result counter") as conn:
+            value = conn.execute(sa.select(results.c.counter).where(
+                results.c.key == key, self._live())).scalar_one_or_none()
+        return None if value is None else int(value)
+
+    # -- writes -----------------------------------------------------------------------
+    def set(self, key: str, value: bytes, *, state: str | None = None,
+            expires: float | None = None, final: str | None = None) -> bool:
+        """Store ``value`` under ``key`` (expiring in ``expires`` seconds; none if falsy).
+
+        ``final``: keep a live row already in that state as it is. Returns False when it did.
+        """
+        now, until = self._now, self._until(expires)
+        values = {"key": key, "value": value, "state": state, "counter": None,
+                  "updated_at": now, "expires_at": until}
+        with self._write("result set") as conn:
+            if self.dialect.is_mysql:
+                # MySQL assigns an upsert's columns left to right, each seeing the ones
+                # before: a guard on two old columns cannot be written there. The row lock
+                # taken by the read decides instead.
+                if final is not None:
+                    old = conn.execute(sa.select(results.c.state, self._live().label("live"))
+                                       .where(results.c.key == key).with_for_update()).first()
+                    if old is not None and old.state == final and old.live:
+                        return False
+                stmt = self.dialect.insert(results).values(**values)
+                conn.execute(stmt.on_duplicate_key_update(
+                    {c: stmt.inserted[c.name] for c in results.c if c.name != "key"}))
+                return True
+            stmt = self.dialect.insert(results).values(**values)
+            excluded = stmt.excluded
+            where = (None if final is None else
+                     sa.or_(results.c.state.is_(None), results.c.state != final,
+                            sa.not_(self._live())))
+            stmt = stmt.on_conflict_do_update(
+                index_elements=[results.c.key],
+                set_={"value": excluded.value, "state": excluded.state, "counter": None,
+                      "updated_at": excluded.updated_at, "expires_at": excluded.expires_at},
+                where=where).returning(results.c.key)
+            return conn.execute(stmt).first() is not None
+
+    def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        with self._write("result delete") as conn:
+            return int(conn.execute(sa.delete(results).where(
+                results.c.key.in_(list(keys)))).rowcount)
+
+    def incr(self, key: str, expires: float | None = None) -> int:
+        """Add one to the counter at ``key`` (a missing or expired one starts at 0)."""
+        now, until = self._now, self._until(expires)
+        stmt = self.dialect.insert(results).values(
+            key=key, value=None, state=None, counter=1, updated_at=now, expires_at=until)
+        restart = sa.not_(self._live())
+        bumped = sa.case((restart, 1), else_=sa.func.coalesce(results.c.counter, 0) + 1)
+        with self._write("result incr") as conn:
+            if self.dialect.is_mysql:
+                conn.execute(stmt.on_duplicate_key_update({
+                    # Left to right: the counter reads the old expiry, so it goes first.
+                    results.c.counter: bumped,
+                    results.c.updated_at: stmt.inserted.updated_at,
+                    results.c.expires_at: stmt.inserted.expires_at,
+                }))
+                value = conn.execute(sa.select(results.c.counter).where(
+                    results.c.key == key)).scalar_one()
+            else:
+                value = conn.execute(stmt.on_conflict_do_update(
+                    index_elements=[results.c.key],
+                    set_={"counter": bumped, "updated_at": stmt.excluded.updated_at,
+                          "expires_at": stmt.excluded.expires_at},
+                ).returning(results.c.counter)).scalar_one()
+        return int(value)
+
+    def expire(self, key: str, seconds: float | None) -> None:
+        """Let ``key`` live ``seconds`` from now (falsy: for ever)."""
+        with self._write("result expire") as conn:
+            conn.execute(sa.update(results).where(results.c.key == key, self._live())
+                         .values(expires_at=self._until(seconds)))
+
+    def purge_expired(self, limit: int = PURGE_BATCH) -> int:
+        """Delete up to ``limit`` rows past their expiry."""
+        expired = results.c.expires_at < self._now
+        with self._write("result purge") as conn:
+            if self.dialect.is_mysql:  # no LIMIT in an IN subquery there
+                stmt = sa.delete(results).where(expired).with_dialect_options(mysql_limit=limit)
+            else:
+                stmt = sa.delete(results).where(results.c.key.in_(
+                    sa.select(results.c.key).where(expired).limit(limit).scalar_subquery()))
+            return int(conn.execute(stmt).rowcount)

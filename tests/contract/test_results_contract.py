@@ -1,0 +1,169 @@
+"""The ``pulse://`` result backend on every SQL store: Celery's key-value contract.
+
+Each test drives a real Celery app whose ``result_backend`` is ``pulse+<store url>``
+against a fresh, migrated store (SQLite, PostgreSQL, MariaDB).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery, states
+from celery.exceptions import ImproperlyConfigured
+from celery.result import AsyncResult, GroupResult
+
+from celery_pulse.backend import PulseBackend
+from celery_pulse.errors import SchemaMissing
+from celery_pulse.store.sql import SqlStore
+from celery_pulse.store.sql.results import ResultRows
+from celery_pulse.testing import wait_for
+
+
+def _app(url: str, **conf: Any) -> Celery:
+    app = Celery("results-contract", broker="memory://", backend=url, set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+@pytest.fixture
+def backend(sql_store: SqlStore, store_url: str) -> Iterator[PulseBackend]:
+    app = _app("pulse+" + store_url, result_expires=3600)
+    backend: PulseBackend = app.backend
+    yield backend
+    backend.rows.engine.dispose()
+
+
+def _meta(backend: PulseBackend, task_id: str) -> dict[str, Any]:
+    meta: dict[str, Any] = backend.get_task_meta(task_id, cache=False)
+    return meta
+
+
+def test_celery_resolves_pulse_urls(store_url: str) -> None:
+    assert type(_app("pulse+" + store_url).backend) is PulseBackend
+    app = _app("pulse://", pulse_store_url=store_url)
+    assert isinstance(app.backend, PulseBackend)
+    assert app.backend.store_url == store_url
+    assert app.backend.as_uri() == "pulse://"
+
+
+def test_a_url_that_names_no_store_fails_naming_the_setting() -> None:
+    with pytest.raises(ImproperlyConfigured, match="result_backend"):
+        _app("pulse+redis://localhost/0").backend  # noqa: B018
+
+
+def test_success_failure_and_traceback_round_trip(backend: PulseBackend) -> None:
+    backend.mark_as_done("ok", {"answer": 42})
+    assert _meta(backend, "ok")["status"] == states.SUCCESS
+    assert AsyncResult("ok", backend=backend).get(timeout=5) == {"answer": 42}
+    try:
+        raise KeyError("boom")
+    except KeyError as exc:
+        backend.mark_as_failure("bad", exc, traceback="Traceback: boom")
+    result = AsyncResult("bad", backend=backend)
+    assert result.state == states.FAILURE
+    assert isinstance(result.info, KeyError)
+    assert result.traceback == "Traceback: boom"
+    assert _meta(backend, "never-ran")["status"] == states.PENDING
+
+
+def test_a_success_is_final(backend: PulseBackend) -> None:
+    backend.mark_as_started("t")
+    backend.mark_as_done("t", 1)
+    backend.mark_as_failure("t", RuntimeError("a stale attempt"))
+    backend.mark_as_retry("t", RuntimeError("a duplicate"))
+    backend.store_result("t", 2, states.SUCCESS)
+    meta = _meta(backend, "t")
+    assert (meta["status"], meta["result"]) == (states.SUCCESS, 1)
+
+
+def test_states_before_success_are_replaced(backend: PulseBackend) -> None:
+    backend.mark_as_started("t", meta={"pid": 1})
+    assert _meta(backend, "t")["status"] == states.STARTED
+    backend.mark_as_retry("t", RuntimeError("again"))
+    assert _meta(backend, "t")["status"] == states.RETRY
+    backend.mark_as_done("t", "finally")
+    assert _meta(backend, "t")["result"] == "finally"
+
+
+def test_forget_and_get_many(backend: PulseBackend) -> None:
+    for i in range(5):
+        backend.mark_as_done(f"m{i}", i)
+    got = dict(backend.get_many([f"m{i}" for i in range(5)], timeout=5))
+    assert {k: v["result"] for k, v in got.items()} == {f"m{i}": i for i in range(5)}
+    AsyncResult("m0", backend=backend).forget()
+    assert _meta(backend, "m0")["status"] == states.PENDING
+
+
+def test_groups_save_restore_delete(backend: PulseBackend) -> None:
+    app = backend.app
+    members = [AsyncResult(f"g{i}", app=app) for i in range(3)]
+    for i in range(3):
+        backend.mark_as_done(f"g{i}", i * 10)
+    group = GroupResult("group-1", members, app=app)
+    group.save(backend=backend)
+    restored = GroupResult.restore("group-1", app=app, backend=backend)
+    assert restored is not None
+    assert [r.id for r in restored.results] == ["g0", "g1", "g2"]
+    assert restored.join(timeout=5) == [0, 10, 20]
+    restored.delete(backend=backend)
+    assert GroupResult.restore("group-1", app=app, backend=backend) is None
+
+
+def test_incr_counts_every_call_once_under_concurrency(backend: PulseBackend) -> None:
+    seen: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def part() -> None:
+        try:
+            for _ in range(10):
+                value = backend.incr("chord-unlock-c1")
+                with lock:
+                    seen.append(value)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=part) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert sorted(seen) == list(range(1, 41))
+
+
+def test_expired_rows_read_as_absent_and_are_purged(backend: PulseBackend,
+                                                    sql_store: SqlStore) -> None:
+    backend.mark_as_done("old", 1)
+    backend.mark_as_done("fresh", 2)
+    backend.expire(backend.get_key_for_task("old"), 0.001)
+    rows = ResultRows(sql_store.engine)
+
+    def expired() -> bool:
+        return _meta(backend, "old")["status"] == states.PENDING
+
+    wait_for(expired, timeout=5, what="the expired result to read as absent")
+    # An expired success is not final: the task id may run again.
+    backend.mark_as_failure("old", RuntimeError("a new publication"))
+    assert _meta(backend, "old")["status"] == states.FAILURE
+    backend.expire(backend.get_key_for_task("old"), 0.001)
+    wait_for(expired, timeout=5, what="the expired result to read as absent")
+    sql_store.purge_finished(older_than=3600)
+    assert rows.get(backend.get_key_for_task("old")) is None
+    assert rows.mget([backend.get_key_for_task("old")]) == [None]
+    assert _meta(backend, "fresh")["result"] == 2
+    # The purge deleted the row: an expired counter starts again at 1 either way.
+    backend.incr("chord-unlock-x")
+    backend.expire("chord-unlock-x", 0.001)
+    wait_for(lambda: rows.counter("chord-unlock-x") is None, timeout=5,
+             what="the expired counter to read as absent")
+    assert backend.incr("chord-unlock-x") == 1
+
+
+def test_a_store_without_the_schema_says_to_migrate(store_url: str) -> None:
+    backend = _app("pulse+" + store_url).backend
+    with pytest.raises(SchemaMissing, match="pulse migrate"):
+        backend.get_task_meta("t", cache=False)
