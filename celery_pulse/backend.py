@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from celery import states
@@ -27,6 +29,36 @@ from celery.exceptions import ImproperlyConfigured
 
 from celery_pulse.errors import InvalidConfig, StoreUnavailable
 from celery_pulse.settings import STORE_SCHEMES, Settings, mask_url
+from celery_pulse.store.base import ResultRecord
+
+#: The states a pool child hands to its parent instead of writing them: those that end
+#: an attempt. ``STARTED`` (``task_track_started``) is written at once, to be seen while
+#: the task runs.
+DEFERRED_STATES = frozenset({*states.READY_STATES, states.RETRY})
+
+
+class _Deferral(threading.local):
+    task_id: str | None = None
+    record: ResultRecord | None = None
+
+
+_deferral = _Deferral()
+
+
+@contextmanager
+def deferred_result(task_id: str) -> Iterator[_Deferral]:
+    """In a ``-P pulse`` pool child, around one attempt of ``task_id``: its outcome is not
+    written but kept in ``.record``, for the parent's fenced completion to write (in the
+    completion's transaction, only if the attempt still holds its lease).
+
+    A chord part is the exception: Celery counts it, and its last part reads every part's
+    result, right after the store, in this process; it is written at once.
+    """
+    _deferral.task_id, _deferral.record = task_id, None
+    try:
+        yield _deferral
+    finally:
+        _deferral.task_id = None
 
 
 def store_url_for(url: str | None, conf: Any) -> str:
@@ -77,6 +109,11 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
 
                 held = self._rows_by_pid = (os.getpid(), ResultRows(make_engine(self.store_url)))
         return held[1]
+
+    def opened_here(self) -> bool:
+        """Whether this process has opened the store (a -P pulse pool child never does)."""
+        held = self._rows_by_pid
+        return held is not None and held[0] == os.getpid()
 
     def as_uri(self, include_password: bool = False) -> str:
         if self.url == "pulse://":
@@ -132,5 +169,12 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request)
         meta["task_id"] = str(task_id)
-        self._set_with_state(self.get_key_for_task(task_id), self.encode(meta), state)
+        key, value = self.get_key_for_task(task_id), self.encode(meta)
+        if (_deferral.task_id == task_id and state in DEFERRED_STATES
+                and not getattr(request, "chord", None)):
+            _deferral.record = ResultRecord(
+                key, value.encode() if isinstance(value, str) else value, state,
+                float(self.expires) if self.expires else None, states.SUCCESS)
+            return result
+        self._set_with_state(key, value, state)
         return result

@@ -35,6 +35,7 @@ from celery_pulse.store.base import (
     Grant,
     Refusal,
     ReserveRequest,
+    ResultRecord,
     mask_token,
 )
 
@@ -98,6 +99,8 @@ class LocalClaim:
     waiting_job: Any = None
     #: When the job went to the pool (monotonic), for the mean run time.
     handed_at: float = 0.0
+    #: The attempt's result for the store's result backend, sent with its completion.
+    result: ResultRecord | None = None
     #: Opaque adapter data (the Celery request, the captured message, its verdict).
     request: Any = None
     message: Any = None
@@ -379,7 +382,8 @@ class LeaseKeeper:
     def submit_complete(self, claim: LocalClaim, outcome: str, error: str | None,
                         callback: CompleteCallback | None = None) -> None:
         self.forget(claim)
-        completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error)
+        completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error,
+                                claim.result)
         self._ops.put(("complete", completion, callback, False))
 
     def reserve_now(self, requests: Sequence[ReserveRequest]) -> tuple[list[Grant | Refusal], float]:

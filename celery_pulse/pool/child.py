@@ -14,7 +14,10 @@ start itself (``start_in_child``). In the child it:
 4. guards the task's result backend: a stale attempt (its lease lost) never writes its
    state there, so a chord counts, and ``AsyncResult.get()`` sees, only the attempt
    that holds the lease. The lease is checked right before each write, so the window
-   is one local check wide.
+   is one local check wide;
+5. with the ``pulse://`` backend, keeps the attempt's outcome instead of writing it and
+   returns it with the tracer's result (:data:`RECORDED`): the parent writes it in the
+   completion's transaction, fenced by the store (no window at all, no SQL here).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import weakref
 from types import CodeType, FrameType
 from typing import Any
 
+from celery_pulse.backend import deferred_result
 from celery_pulse.errors import PulseError
 from celery_pulse.lease import Lease, _set_current, current_lease
 from celery_pulse.pool.slots import DeadlineTable
@@ -36,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 LEASE_SIGNAL = signal.SIGUSR2
 REFUSED = "celery-pulse:start-refused"
+#: ``(RECORDED, tracer's return, ResultRecord)``: the attempt's result for the ``pulse://``
+#: backend, written by the parent with the completion (fenced), not by the child.
+RECORDED = "celery-pulse:result"
 #: Result-backend methods Celery's tracer writes a task's state through.
 BACKEND_WRITES = ("store_result", "mark_as_done", "mark_as_failure", "mark_as_retry",
                   "mark_as_revoked", "mark_as_started")
@@ -194,7 +201,11 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
     if task is not None:
         _guard_backend(task.backend)
     try:
-        return target(*args, **kwargs)
+        with deferred_result(task_id) as deferral:
+            value = target(*args, **kwargs)
+        if deferral.record is not None:
+            return (RECORDED, value, deferral.record)
+        return value
     finally:
         _armed = None
         _set_current(None)

@@ -168,6 +168,8 @@ class TaskPool(prefork.TaskPool):
             if isinstance(result, tuple) and len(result) == 2 and result[0] == child.REFUSED:
                 self._drop(claim, claim.request, "the lease was lost before the body started")
                 return None
+            if isinstance(result, tuple) and len(result) == 3 and result[0] == child.RECORDED:
+                claim.result, result = result[2], result[1]  # written with the completion
             try:
                 return original(result) if original else None
             finally:

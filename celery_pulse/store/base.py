@@ -208,6 +208,20 @@ class Refusal:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ResultRecord:
+    """A value for the result backend's table, written with a fenced completion."""
+
+    key: str
+    value: bytes
+    #: The backend's state of the value (a ``final`` one is never overwritten).
+    state: str
+    #: Seconds it lives from the write (None: for ever).
+    expires: float | None
+    #: The state no write replaces (the backend's success).
+    final: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Completion:
     task_id: str
     epoch: int
@@ -215,6 +229,9 @@ class Completion:
     #: ``succeeded``, ``failed``, ``revoked`` or ``retry`` (re-open for the next delivery).
     outcome: str
     error: str | None = None
+    #: The attempt's result for the ``pulse://`` backend: written only if the completion
+    #: applies, in its transaction (a stale attempt's result is never visible).
+    result: ResultRecord | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ def client(env: Env) -> Iterator[Celery]:
     """The producing side as a user has it: the same app settings, pulse installed."""
     app = Celery("pulse-lifecycle-client", broker=env.broker_url, set_as_current=False)
     app.conf.update({k: v for k, v in env.conf.items()
-                     if k.startswith(("broker_", "result_"))})
+                     if k.startswith(("broker_", "result_", "pulse_store"))})
     app.conf.task_default_queue = env.queue
     celery_pulse.install(app)
     try:
@@ -247,13 +247,18 @@ def test_two_publications_of_one_id_run_one_after_the_other(
 
 
 # -- 6. a chord part that lost its lease: the stale attempt leaves the backend alone ----------
+@pytest.mark.parametrize("backend", ["redis", "pulse"])
 def test_chord_completes_with_the_right_result_when_a_part_loses_its_lease(
         lifecycle_env: Env, pg_url: str, tmp_path: Path, workers: Callable[..., Worker],
-        db: Callable[[str], Claims]) -> None:
+        db: Callable[[str], Claims], backend: str) -> None:
     """The slow part's worker is paused past its lease; another worker re-runs the part.
     Resumed, the stale attempt gets LeaseLost: it must not write FAILURE (which would
-    count the part and fail the chord) before the re-run writes the real result."""
+    count the part and fail the chord) before the re-run writes the real result. With
+    Celery's Redis backend and with ``pulse://`` (the chord counted in the store)."""
     env = lifecycle_env
+    if backend == "pulse":
+        env.conf["result_backend"] = "pulse://"
+        env.conf["pulse_store_url"] = pg_url
     store_db = db(pg_url)
     stale = workers(env, "stale@%h").wait_ready()
     paths = [tmp_path / f"part-{i}.txt" for i in range(3)]

@@ -232,3 +232,35 @@ def slow_once(path: str) -> int:
     if first:
         time.sleep(30)
     return epoch
+
+
+# -- tasks for the result backend tests (tests/acceptance/test_result_backend.py) ---------
+@app.task(name="pulseapp.fail")
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+@app.task(name="pulseapp.epoch_when_told")
+def epoch_when_told(path: str) -> int:
+    """Records its start, waits (without checking its lease) for ``<path>.go``, returns
+    its epoch: a body that would finish even after its lease was taken over."""
+    lease = current_lease()
+    epoch = lease.epoch if lease else 0
+    mark(path, "start", epoch, os.getpid())
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path + ".go") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mark(path, "end", epoch)
+    return epoch
+
+
+
+@app.task(name="pulseapp.store_opened_here")
+def store_opened_here(folder: str, together: int) -> tuple[int, bool]:
+    """(this pool process's pid, whether the result backend opened the store here), once
+    ``together`` probes have started (each leaves a file in ``folder``)."""
+    mark(os.path.join(folder, str(os.getpid())), "here")
+    deadline = time.monotonic() + 20
+    while len(os.listdir(folder)) < together and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.getpid(), bool(app.backend.opened_here())

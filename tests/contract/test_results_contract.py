@@ -17,9 +17,11 @@ from celery.result import AsyncResult, GroupResult
 
 from celery_pulse.backend import PulseBackend
 from celery_pulse.errors import SchemaMissing
+from celery_pulse.store.base import FAILED, SUCCEEDED, Completion, ResultRecord
 from celery_pulse.store.sql import SqlStore
 from celery_pulse.store.sql.results import ResultRows
 from celery_pulse.testing import wait_for
+from tests.contract.test_claims_contract import TTL, W1, W2, grant, key, request
 
 
 def _app(url: str, **conf: Any) -> Celery:
@@ -167,3 +169,63 @@ def test_a_store_without_the_schema_says_to_migrate(store_url: str) -> None:
     backend = _app("pulse+" + store_url).backend
     with pytest.raises(SchemaMissing, match="pulse migrate"):
         backend.get_task_meta("t", cache=False)
+
+
+# -- results written by a fenced completion (what a -P pulse worker sends) ----------------
+def _record(backend: PulseBackend, task_id: str, result: Any, state: str = states.SUCCESS
+            ) -> ResultRecord:
+    meta = {"status": state, "result": result, "traceback": None, "children": [],
+            "date_done": None, "task_id": task_id}
+    encoded = backend.encode(meta)
+    return ResultRecord(backend.get_key_for_task(task_id),
+                        encoded.encode() if isinstance(encoded, str) else encoded,
+                        state, 3600.0, states.SUCCESS)
+
+
+@pytest.mark.parametrize("via", ["exchange", "complete"])
+def test_a_completion_writes_its_result_only_if_it_applies(
+        backend: PulseBackend, sql_store: SqlStore, via: str) -> None:
+    live = grant(sql_store, W1, request())
+    stale = grant(sql_store, W1, request())
+    sql_store.release(W1, [key(stale)])
+    grant(sql_store, W2, request(stale.task_id))  # taken over: W1's attempt is stale
+    plain = grant(sql_store, W1, request())  # a completion without a result
+    completions = [
+        Completion(live.task_id, live.epoch, live.token, SUCCEEDED, None,
+                   _record(backend, live.task_id, "live")),
+        Completion(stale.task_id, stale.epoch, stale.token, SUCCEEDED, None,
+                   _record(backend, stale.task_id, "stale")),
+        Completion(plain.task_id, plain.epoch, plain.token, SUCCEEDED)]
+    if via == "exchange":
+        answers = sql_store.exchange(W1, TTL, completions, [], []).completed
+    else:
+        answers = sql_store.complete(W1, completions)
+    assert answers == {live.task_id: "applied", stale.task_id: "evidence",
+                       plain.task_id: "applied"}
+    assert AsyncResult(live.task_id, backend=backend).get(timeout=5) == "live"
+    assert _meta(backend, stale.task_id)["status"] == states.PENDING
+    assert _meta(backend, plain.task_id)["status"] == states.PENDING
+    # Sent again (its first exchange's answer was lost): a duplicate, nothing rewritten.
+    again = sql_store.complete(W1, [Completion(live.task_id, live.epoch, live.token,
+                                               SUCCEEDED, None,
+                                               _record(backend, live.task_id, "again"))])
+    assert again == {live.task_id: "duplicate"}
+    assert _meta(backend, live.task_id)["result"] == "live"
+
+
+def test_a_fenced_result_does_not_replace_a_success(backend: PulseBackend,
+                                                    sql_store: SqlStore) -> None:
+    """A task id published again (a new publication) fails where an earlier run
+    succeeded: the success stays, as Celery's key-value backends keep it."""
+    first = grant(sql_store, W1, request())
+    backend.mark_as_done(first.task_id, "first")
+    sql_store.complete(W1, [Completion(first.task_id, first.epoch, first.token, FAILED,
+                                       "boom", _record(backend, first.task_id, "x",
+                                                       states.FAILURE))])
+    assert _meta(backend, first.task_id)["result"] == "first"
+    retried = grant(sql_store, W1, request())
+    backend.mark_as_retry(retried.task_id, RuntimeError("again"))
+    sql_store.complete(W1, [Completion(retried.task_id, retried.epoch, retried.token,
+                                       SUCCEEDED, None,
+                                       _record(backend, retried.task_id, "done"))])
+    assert _meta(backend, retried.task_id)["result"] == "done"

@@ -396,6 +396,8 @@ class MySqlStore(SqlStore):
                 state=state, outcome=outcome, error=error, token=None, lease_until=None,
                 finished_at=None if state == OPEN else now))
             answers.update(dict.fromkeys(ids, "applied"))
+        self._results().write_fenced(conn, [c.result for c in chunk if c.result is not None
+                                            and answers.get(c.task_id) == "applied"])
         if stale:
             answers.update(self._stale(conn, holder, stale, now))
         return answers

@@ -20,12 +20,45 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_pulse.store.base import ResultRecord
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.tables import results
 
 #: Rows deleted per statement by :meth:`ResultRows.purge_expired`.
 PURGE_BATCH = 500
+
+
+def fenced_upsert_cte(records: int, clock: str, done: str = "done") -> str:
+    """PostgreSQL: CTEs that write ``records`` results, each only if its task id is in
+    ``done`` (the completion's ``RETURNING``), in the completion's own statement.
+
+    Parameters, after the completion's: task_id, key, value, state, expires per record,
+    then the ``final`` state they share (a live row in it is kept, as by ``set``).
+    """
+    row = "(%s, %s, %s::bytea, %s, %s::float8)"
+    return (f"r(task_id, key, value, state, expires) AS (VALUES "
+            f"{', '.join([row] * records)}), "
+            f"w AS (INSERT INTO pulse_results AS p "
+            f"(key, value, counter, state, updated_at, expires_at) "
+            f"SELECT r.key, r.value, NULL, r.state, {clock}, "
+            f"CASE WHEN r.expires > 0 THEN {clock} + r.expires END "
+            f"FROM r JOIN {done} ON {done}.task_id = r.task_id "
+            f"ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, counter = NULL, "
+            f"state = EXCLUDED.state, updated_at = EXCLUDED.updated_at, "
+            f"expires_at = EXCLUDED.expires_at "
+            f"WHERE p.state IS DISTINCT FROM %s OR p.expires_at <= {clock})")
+
+
+def fenced_upsert_params(records: Sequence[tuple[str, ResultRecord]]) -> list[Any]:
+    """The parameters of :func:`fenced_upsert_cte` for ``(task_id, record)`` pairs."""
+    finals = {record.final for _, record in records}
+    if len(finals) != 1:
+        raise ValueError(f"one statement writes results of one final state, not {finals}")
+    params: list[Any] = []
+    for task_id, record in records:
+        params += [task_id, record.key, record.value, record.state, record.expires or 0.0]
+    return [*params, finals.pop()]
 
 
 class ResultRows:
@@ -90,34 +123,46 @@ class ResultRows:
 
         ``final``: keep a live row already in that state as it is. Returns False when it did.
         """
+        with self._write("result set") as conn:
+            return self._upsert(conn, key, value, state, expires, final)
+
+    def _upsert(self, conn: sa.Connection, key: str, value: bytes, state: str | None,
+                expires: float | None, final: str | None) -> bool:
         now, until = self._now, self._until(expires)
         values = {"key": key, "value": value, "state": state, "counter": None,
                   "updated_at": now, "expires_at": until}
-        with self._write("result set") as conn:
-            if self.dialect.is_mysql:
-                # MySQL assigns an upsert's columns left to right, each seeing the ones
-                # before: a guard on two old columns cannot be written there. The row lock
-                # taken by the read decides instead.
-                if final is not None:
-                    old = conn.execute(sa.select(results.c.state, self._live().label("live"))
-                                       .where(results.c.key == key).with_for_update()).first()
-                    if old is not None and old.state == final and old.live:
-                        return False
-                stmt = self.dialect.insert(results).values(**values)
-                conn.execute(stmt.on_duplicate_key_update(
-                    {c: stmt.inserted[c.name] for c in results.c if c.name != "key"}))
-                return True
+        if self.dialect.is_mysql:
+            # MySQL assigns an upsert's columns left to right, each seeing the ones
+            # before: a guard on two old columns cannot be written there. The row lock
+            # taken by the read decides instead.
+            if final is not None:
+                old = conn.execute(sa.select(results.c.state, self._live().label("live"))
+                                   .where(results.c.key == key).with_for_update()).first()
+                if old is not None and old.state == final and old.live:
+                    return False
             stmt = self.dialect.insert(results).values(**values)
-            excluded = stmt.excluded
-            where = (None if final is None else
-                     sa.or_(results.c.state.is_(None), results.c.state != final,
-                            sa.not_(self._live())))
-            stmt = stmt.on_conflict_do_update(
-                index_elements=[results.c.key],
-                set_={"value": excluded.value, "state": excluded.state, "counter": None,
-                      "updated_at": excluded.updated_at, "expires_at": excluded.expires_at},
-                where=where).returning(results.c.key)
-            return conn.execute(stmt).first() is not None
+            conn.execute(stmt.on_duplicate_key_update(
+                {c: stmt.inserted[c.name] for c in results.c if c.name != "key"}))
+            return True
+        stmt = self.dialect.insert(results).values(**values)
+        excluded = stmt.excluded
+        where = (None if final is None else
+                 sa.or_(results.c.state.is_(None), results.c.state != final,
+                        sa.not_(self._live())))
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[results.c.key],
+            set_={"value": excluded.value, "state": excluded.state, "counter": None,
+                  "updated_at": excluded.updated_at, "expires_at": excluded.expires_at},
+            where=where).returning(results.c.key)
+        return conn.execute(stmt).first() is not None
+
+    def write_fenced(self, conn: sa.Connection, records: Sequence[ResultRecord]) -> None:
+        """In a completion's transaction (SQLite, MySQL/MariaDB): the results of the
+        completions it applied. PostgreSQL writes them in the completion's statement
+        (:func:`fenced_upsert_cte`)."""
+        for record in sorted(records, key=lambda r: r.key):  # one lock order
+            self._upsert(conn, record.key, record.value, record.state, record.expires,
+                         record.final)
 
     def delete(self, keys: Sequence[str]) -> int:
         if not keys:

@@ -51,6 +51,7 @@ from celery_pulse.store.base import (
     Refusal,
     Registration,
     ReserveRequest,
+    ResultRecord,
     ReviewItem,
     ScheduleRow,
     Slot,
@@ -61,7 +62,7 @@ from celery_pulse.store.sql import migrate
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import make_engine
 from celery_pulse.store.sql.errors import translated
-from celery_pulse.store.sql.results import ResultRows
+from celery_pulse.store.sql.results import ResultRows, fenced_upsert_cte, fenced_upsert_params
 from celery_pulse.store.sql.tables import (
     beat_slots,
     beat_state,
@@ -560,6 +561,10 @@ class SqlStore(Store):
                     chunk = batch[i:i + _CHUNK]
                     applied = {row[0] for row in conn.exec_driver_sql(
                         *self._complete_statement(chunk))}
+                    if not self.dialect.is_postgres:  # there, in the statement itself
+                        self._results().write_fenced(conn, [
+                            c.result for c in chunk
+                            if c.result is not None and c.task_id in applied])
                     answers = dict.fromkeys(applied, "applied")
                     stale = [c for c in chunk if c.task_id not in applied]
                     if stale:
@@ -570,11 +575,33 @@ class SqlStore(Store):
         return out
 
     def _complete_statement(self, chunk: Sequence[Completion]) -> tuple[str, tuple[Any, ...]]:
+        """The completions' statement; on PostgreSQL it also writes their results (the
+        ``pulse://`` backend's), for those it applies only."""
         params: list[Any] = []
+        records: list[tuple[str, ResultRecord]] = []
         for c in sorted(chunk, key=_task_id):  # one lock order (see _reserve_statement)
             params += [c.task_id, c.epoch, c.token, _OUTCOME_STATE[c.outcome], c.outcome,
                        c.error]
-        return self._complete_sql(len(chunk)), tuple(params)
+            if c.result is not None:
+                records.append((c.task_id, c.result))
+        if not records or not self.dialect.is_postgres:
+            return self._complete_sql(len(chunk)), tuple(params)
+        return (self._complete_results_sql(len(chunk), len(records)),
+                (*params, *fenced_upsert_params(records)))
+
+    def _complete_results_sql(self, rows: int, records: int) -> str:
+        """PostgreSQL: the completions' update as a CTE, and the results written only for
+        the rows it returned, in one statement."""
+        cached = self._sql_cache.get(("complete+results", rows * 100_000 + records))
+        if cached is not None:
+            return cached
+        # _batch_update's shape: "WITH v(..) AS (VALUES ..) UPDATE pulse_claims .. RETURNING
+        # pulse_claims.task_id".
+        values, update = self._complete_sql(rows).split(" UPDATE pulse_claims ", 1)
+        sql = (f"{values}, done AS (UPDATE pulse_claims {update}), "
+               f"{fenced_upsert_cte(records, self.dialect.clock)} SELECT task_id FROM done")
+        self._sql_cache[("complete+results", rows * 100_000 + records)] = sql
+        return sql
 
     def _complete_sql(self, rows: int) -> str:
         """Outcomes of any mix of kinds in one statement. A retry reopens the claim for its

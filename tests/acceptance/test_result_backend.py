@@ -1,0 +1,127 @@
+"""``result_backend = "pulse://"`` with real ``celery worker -P pulse`` processes.
+
+A -P pulse worker's pool children write no results: the parent writes each one with
+the task's completion, fenced by the store. Chord parts are written by the child (Celery
+counts them there), guarded by the lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery, chord, group
+
+import celery_pulse
+from tests.acceptance.test_leases import Claims, db, events, wait_event
+from tests.helpers.workers import Env, Worker, wait_for
+
+__all__ = ["db"]
+
+#: Renewals far apart: a takeover made in the store stays unnoticed by the holder for
+#: long enough that only the store's fence can refuse its completion.
+SLOW_RENEWAL: dict[str, Any] = {"pulse_lease_ttl": 60, "pulse_renew_interval": 20,
+                                "pulse_worker_ttl": 30, "pulse_heartbeat_interval": 2}
+
+
+@contextlib.contextmanager
+def client(env: Env) -> Iterator[Celery]:
+    """A user's client: the app's settings, ``pulse://`` results from the same store."""
+    app = Celery("pulse-results-client", broker=env.broker_url, backend="pulse://",
+                 set_as_current=False)
+    app.conf.update({k: v for k, v in env.conf.items() if k.startswith(("broker_", "result_"))})
+    app.conf.update(task_default_queue=env.queue, pulse_store_url=env.store_url)
+    celery_pulse.install(app)
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def results_written_by(store_url: str) -> set[str]:
+    """Keys in the results table."""
+    engine = sa.create_engine(store_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return set(conn.execute(sa.text("SELECT key FROM pulse_results")).scalars())
+    finally:
+        engine.dispose()
+
+
+def test_results_groups_and_chords(stack: tuple[str, str, dict[str, Any]],
+                                   make_env: Callable[..., Env],
+                                   workers: Callable[..., Worker]) -> None:
+    """What a Celery user does with results, on the embedded default and on PostgreSQL
+    + RabbitMQ: get, failures with their traceback, groups, a chord, forget."""
+    store_url, broker_url, conf = stack
+    env = make_env(store_url, broker_url, {**conf, "result_backend": "pulse://"})
+    workers(env, "results@%h", concurrency=2).wait_ready()
+    with client(env) as app:
+        assert app.send_task("pulseapp.add", (2, 3)).get(timeout=30) == 5
+        failed = app.send_task("pulseapp.fail", ("boom",))
+        with pytest.raises(ValueError, match="boom"):
+            failed.get(timeout=30)
+        assert failed.state == "FAILURE"
+        assert "ValueError: boom" in (failed.traceback or "")
+        parts = group(app.signature("pulseapp.add", (i, i)) for i in range(10)).apply_async()
+        assert parts.get(timeout=30) == [2 * i for i in range(10)]
+        joined = chord(app.signature("pulseapp.add", (i, 1)) for i in range(5))(
+            app.signature("pulseapp.total"))
+        assert joined.get(timeout=30) == sum(i + 1 for i in range(5))
+        done = app.send_task("pulseapp.add", (1, 1))
+        assert done.get(timeout=30) == 2
+        done.forget()
+        assert app.AsyncResult(done.id).state == "PENDING"
+
+
+def test_a_completion_the_store_refuses_writes_no_result(
+        pg_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        workers: Callable[..., Worker], db: Callable[[str], Claims]) -> None:
+    """The lease is taken over in the store while the body runs, and the holder has not
+    noticed yet (its next renewal is far off): the body finishes, the parent sends the
+    completion with the result, the store refuses it. The outcome is only evidence."""
+    env = make_env(pg_url, rabbitmq_url, {**SLOW_RENEWAL, "result_backend": "pulse://"})
+    store_db = db(pg_url)
+    w = workers(env, "fenced@%h").wait_ready()
+    path = tmp_path / "fenced.txt"
+    with client(env) as app:
+        result = app.send_task("pulseapp.epoch_when_told", (str(path),))
+        wait_event(path, "start", 20, (w,))
+        # What a takeover does to the row: a new epoch and token (Recover's, or another
+        # worker's grant), the lease still live.
+        store_db.execute("UPDATE pulse_claims SET epoch = epoch + 1, token = 'taken-over' "
+                         "WHERE task_id = :t", t=result.id)
+        Path(f"{path}.go").touch()
+        wait_event(path, "end", 20, (w,))
+        w.wait_log(rf"late outcome 'succeeded' for task {result.id} epoch 1 kept as evidence",
+                   timeout=20)
+        assert app.AsyncResult(result.id).state == "PENDING"
+    evidence = store_db.execute("SELECT epoch, outcome FROM pulse_evidence WHERE task_id = :t",
+                                t=result.id).all()
+    assert [tuple(r) for r in evidence] == [(1, "succeeded")]
+    assert not any(result.id in key for key in results_written_by(pg_url))
+    assert events(path) == [["start", "1", str(events(path)[0][2])], ["end", "1"]]
+
+
+def test_the_pool_children_write_no_results(
+        pg_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        workers: Callable[..., Worker]) -> None:
+    """Each result is written by the worker's parent with its completion: after 50 tasks
+    no pool process has opened the store (each child answers for itself)."""
+    env = make_env(pg_url, rabbitmq_url, {"result_backend": "pulse://"})
+    workers(env, "parent-writes@%h", concurrency=2).wait_ready()
+    with client(env) as app:
+        results = [app.send_task("pulseapp.add", (i, i)) for i in range(50)]
+        assert [r.get(timeout=30) for r in results] == [2 * i for i in range(50)]
+        # Two at once, each holding its process until both run: one answer per child.
+        folder = tmp_path / "probes"
+        folder.mkdir()
+        probes = group(app.signature("pulseapp.store_opened_here", (str(folder), 2))
+                       for _ in range(2)).apply_async()
+        answers = probes.get(timeout=30)
+    assert len({pid for pid, _ in answers}) == 2
+    assert [opened for _, opened in answers] == [False, False]
