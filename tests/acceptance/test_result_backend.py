@@ -18,7 +18,7 @@ from celery import Celery, chord, group
 
 import celery_pulse
 from tests.acceptance.test_leases import Claims, db, events, wait_event
-from tests.helpers.workers import Env, Worker, wait_for
+from tests.helpers.workers import Env, Worker
 
 __all__ = ["db"]
 
