@@ -17,6 +17,7 @@ overwrite it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
@@ -37,24 +38,35 @@ from celery_pulse.store.base import ResultRecord
 DEFERRED_STATES = frozenset({*states.READY_STATES, states.RETRY})
 
 
+#: A message header naming the publication (see celery_pulse.install.stamp_publication):
+#: a chord's callback published twice (by the worker that counted its last part, then by
+#: a recovery after it died) is one publication, run once.
+FIXED_PUBLICATION_HEADER = "pulse_pub_fixed"
+
+
 class _Deferral(threading.local):
     task_id: str | None = None
     record: ResultRecord | None = None
+    #: The chord part's request (``id``, ``group``, ``chord``) when the task is one.
+    chord: dict[str, Any] | None = None
+
+
+class _Precounted(threading.local):
+    value: int | None = None
 
 
 _deferral = _Deferral()
+_precounted = _Precounted()
 
 
 @contextmanager
 def deferred_result(task_id: str) -> Iterator[_Deferral]:
     """In a ``-P pulse`` pool child, around one attempt of ``task_id``: its outcome is not
-    written but kept in ``.record``, for the parent's fenced completion to write (in the
-    completion's transaction, only if the attempt still holds its lease).
-
-    A chord part is the exception: Celery counts it, and its last part reads every part's
-    result, right after the store, in this process; it is written at once.
+    written but kept in ``.record`` (and a chord part's request in ``.chord``), for the
+    parent's fenced completion to write and count (in the completion's transaction, only
+    if the attempt still holds its lease). No SQL in the child.
     """
-    _deferral.task_id, _deferral.record = task_id, None
+    _deferral.task_id, _deferral.record, _deferral.chord = task_id, None, None
     try:
         yield _deferral
     finally:
@@ -85,7 +97,8 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
     #: Expired rows read as absent at once and are purged with the finished claims:
     #: Celery need not schedule ``celery.backend_cleanup``.
     supports_autoexpire = True
-    supports_native_join = False
+    #: Joins read every part in one query (``mget``), not one per part.
+    supports_native_join = True
 
     def __init__(self, app: Any = None, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(app=app, url=url, **kwargs)
@@ -147,8 +160,78 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         self.rows.delete([key])
 
     def incr(self, key: str) -> int:
+        if _precounted.value is not None:  # counted already, with the part's completion
+            counted, _precounted.value = _precounted.value, None
+            return counted
         value: int = self.rows.incr(key, self.chord_expires)
         return value
+
+    # -- chords under -P pulse: counted with the parts' completions ----------------------
+    def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any
+                             ) -> None:
+        """In a ``-P pulse`` pool child: not counted here but handed to the parent with
+        the part's outcome (:func:`deferred_result`); elsewhere as Celery counts."""
+        if _deferral.task_id is None or _deferral.task_id != getattr(request, "id", None):
+            super().on_chord_part_return(request, state, result, **kwargs)
+            return
+        if not getattr(request, "group", None):
+            return
+        part = {"id": request.id, "group": request.group, "chord": request.chord}
+        record = _deferral.record or ResultRecord(
+            self.get_key_for_task(request.id), None, state,
+            float(self.expires) if self.expires else None, states.SUCCESS)
+        note = self.encode({"group": request.group, "chord": request.chord})
+        _deferral.record = dataclasses.replace(
+            record, counter=self.get_key_for_chord(request.group),
+            counter_note=note.encode() if isinstance(note, str) else note)
+        _deferral.chord = part
+
+    def finish_chord(self, part: dict[str, Any], count: int, nonce: str) -> bool:
+        """In the worker's parent, after a part's completion counted it (``count``): if
+        that made the chord whole, join its parts and publish its callback, as Celery's
+        ``on_chord_part_return`` does (errors included), once. Returns whether it did.
+
+        The callback is published as the publication ``chord:<group>:<nonce>``: should a
+        recovery publish it again (this worker died before deleting the counter), the
+        workers run it once.
+        """
+        from celery.app.task import Context
+        from celery.result import GroupResult
+
+        chord = dict(part["chord"] or {})
+        size = chord.get("chord_size")
+        if size is None:
+            deps = GroupResult.restore(part["group"], backend=self)
+            # Gone: Celery's own code (below) reports the ChordError.
+            size = count if deps is None else len(deps)
+        if count != size:
+            return False
+        options = dict(chord.get("options") or {})
+        options["headers"] = {**dict(options.get("headers") or {}),
+                              FIXED_PUBLICATION_HEADER: f"chord:{part['group']}:{nonce}"}
+        chord["options"] = options
+        request = Context({**part, "chord": chord})
+        _precounted.value = count
+        try:
+            super().on_chord_part_return(request, states.SUCCESS, None)
+        finally:
+            _precounted.value = None
+        return True
+
+    def recover_chords(self, older_than: float, limit: int = 100) -> int:
+        """Finish chords whose last part was counted but whose callback was not published
+        (the worker died in between): counters untouched for ``older_than`` seconds. A
+        count not yet whole is left alone. Returns how many were finished."""
+        finished = 0
+        prefix = self.chord_keyprefix
+        for _key, count, nonce, note in self.rows.stale_counters(prefix, older_than, limit):
+            if note is None:
+                continue
+            saved = self.decode(note)
+            part = {"id": None, "group": saved["group"], "chord": saved["chord"]}
+            if self.finish_chord(part, count, nonce):
+                finished += 1
+        return finished
 
     def expire(self, key: str, value: float | None) -> None:
         self.rows.expire(key, value)
@@ -170,8 +253,7 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
                                      request=request)
         meta["task_id"] = str(task_id)
         key, value = self.get_key_for_task(task_id), self.encode(meta)
-        if (_deferral.task_id == task_id and state in DEFERRED_STATES
-                and not getattr(request, "chord", None)):
+        if _deferral.task_id == task_id and state in DEFERRED_STATES:
             _deferral.record = ResultRecord(
                 key, value.encode() if isinstance(value, str) else value, state,
                 float(self.expires) if self.expires else None, states.SUCCESS)

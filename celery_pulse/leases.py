@@ -101,6 +101,8 @@ class LocalClaim:
     handed_at: float = 0.0
     #: The attempt's result for the store's result backend, sent with its completion.
     result: ResultRecord | None = None
+    #: Opaque adapter data of a chord part (its request), for when its count comes back.
+    chord_part: Any = None
     #: Opaque adapter data (the Celery request, the captured message, its verdict).
     request: Any = None
     message: Any = None
@@ -163,7 +165,9 @@ class Counters:
 
 
 ReserveCallback = Callable[[Grant | Refusal | PulseError, float], None]
-CompleteCallback = Callable[[str | PulseError], None]
+#: ``callback(answer, counted)``: ``counted`` is the completion's count, for one that
+#: added to a counter (:attr:`Exchanged.counted`), else None.
+CompleteCallback = Callable[[str | PulseError, tuple[int, str] | None], None]
 StartCallback = Callable[[bool | PulseError], None]
 
 
@@ -498,7 +502,7 @@ class LeaseKeeper:
             self._answer(starts, [failure] * len(starts))
             return failure
         if completes:
-            self._answer_completions(completes, done.completed)
+            self._answer_completions(completes, done.completed, done.counted)
         with self._lock:
             self._unsettled.update((g.task_id, g) for g in done.reserved if isinstance(g, Grant))
         self._answer(reserves, done.reserved, sent)
@@ -518,7 +522,8 @@ class LeaseKeeper:
                 logger.exception("pulse: %s callback failed", op[0])
 
     def _answer_completions(self, ops: list[tuple[str, Any, Any, bool]],
-                            outcomes: Mapping[str, Any]) -> None:
+                            outcomes: Mapping[str, Any],
+                            counted: Mapping[str, tuple[int, str]] | None = None) -> None:
         for op in ops:
             result = outcomes.get(op[1].task_id)
             if result == "applied":
@@ -527,7 +532,14 @@ class LeaseKeeper:
                 self.counters.stale_completions += 1
                 logger.warning("pulse: late outcome %r for task %s epoch %d kept as evidence only",
                                op[1].outcome, op[1].task_id, op[1].epoch)
-        self._answer(ops, [outcomes.get(op[1].task_id) for op in ops])
+        for op in ops:
+            if op[2] is None:
+                continue
+            task_id = op[1].task_id
+            try:
+                op[2](outcomes.get(task_id), (counted or {}).get(task_id))
+            except Exception:
+                logger.exception("pulse: complete callback failed")
 
     # -- renewal ----------------------------------------------------------------
     def _renew_loop(self) -> None:

@@ -4,8 +4,10 @@ Isolation: Celery's conftest insists on the single queue ``celery`` (its
 ``ZZZZ_set_app_current`` fixture fails any test whose app knows another queue), and
 the control commands the tests use (inspect, revoke, ping) broadcast to every worker
 on the vhost. So each run gets its own RabbitMQ vhost (``rabbitmqctl``; if that is
-unavailable, ``/`` with the ``celery`` queue purged first) and, under ``-P pulse``, its
-own PostgreSQL database, both removed afterwards.
+unavailable, ``/`` with the ``celery`` queue purged first) and, under ``-P pulse`` or
+with ``backend="pulse"``, its own PostgreSQL database, both removed afterwards. With
+``backend="pulse"`` the worker, the readiness probe and the test process all use
+``result_backend = pulse+<that database's URL>``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class RunResult:
     """What one pytest run against one worker gave."""
 
     pool: str
+    backend: str
     collected: list[str]
     outcomes: dict[str, str]
     messages: dict[str, str]
@@ -211,44 +214,57 @@ def _run_pytest(env: dict[str, str], args: list[str], pytest_log: Path, hard_tim
             _kill_group(proc, grace=5)
 
 
+def run_name(pool: str, backend: str) -> str:
+    """``prefork``, ``pulse`` (Redis backend); ``prefork-pulse-backend``, ``pulse-pulse-backend``."""
+    return pool if backend == "redis" else f"{pool}-{backend}-backend"
+
+
 def run_suite(pool: str, modules: Sequence[str], *, timeout: float, budget: float,
               only: Sequence[str] | None = None, junit: Path | None = None,
-              label: str = "") -> RunResult:
-    """Start one worker, run pytest on ``modules`` (or the ``only`` ids of them), stop the worker."""
+              label: str = "", backend: str = "redis") -> RunResult:
+    """Start one worker, run pytest on ``modules`` (or the ``only`` ids of them), stop the worker.
+
+    ``backend``: ``redis`` (``redis://127.0.0.1:6379/9``, or CELERY_SUITE_BACKEND) or ``pulse``
+    (``pulse+<the run's private store URL>``, for the worker and the test process alike).
+    """
     if pool not in ("prefork", "pulse"):
         raise ValueError(f"pool must be prefork or pulse, not {pool!r}")
+    if backend not in ("redis", "pulse"):
+        raise ValueError(f"backend must be redis or pulse, not {backend!r}")
     root = fetch()
     run_id = f"{time.strftime('%Y%m%d%H%M%S')}_{secrets.token_hex(3)}"
-    tag = f"{pool}{'-' + label if label else ''}"
+    tag = f"{run_name(pool, backend)}{'-' + label if label else ''}"
     logs = CACHE_DIR / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     worker_log = logs / f"{run_id}-{tag}-worker.log"
     pytest_log = logs / f"{run_id}-{tag}-pytest.log"
     outcomes_file = logs / f"{run_id}-{tag}-outcomes.json"
     nodename = f"celery-suite-{run_id}@{socket.gethostname()}"
-    backend = os.environ.get("CELERY_SUITE_BACKEND", f"{REDIS_URL}/9")
+    needs_store = pool == "pulse" or backend == "pulse"
     targets = [f"t/integration/{m}" for m in modules]
     for target in targets:
         if not (root / target).exists():
             raise SystemExit(f"no such module: {root / target}")
 
     started = time.monotonic()
-    with private_vhost(run_id) as broker, (private_store(run_id) if pool == "pulse"
+    with private_vhost(run_id) as broker, (private_store(run_id) if needs_store
                                            else _no_store()) as store:
-        env = _env(broker, backend, store, nodename)
-        if pool == "pulse":
+        backend_url = (f"pulse+{store}" if backend == "pulse"
+                       else os.environ.get("CELERY_SUITE_BACKEND", f"{REDIS_URL}/9"))
+        env = _env(broker, backend_url, store, nodename)
+        if needs_store:
             migrate = _run([sys.executable, "-m", "celery", "-A", "celery_suite.app", "pulse", "migrate"],
                            env=env, cwd=PROJECT_DIR)
             if migrate.returncode != 0:
                 raise RuntimeError(f"pulse migrate failed:\n{migrate.stdout}{migrate.stderr}")
         worker_cmd = [sys.executable, "-m", "celery", "-A", "celery_suite.app", "worker", "-P", pool,
                       "-c", "4", "-l", "info", "-n", nodename]
-        log(f"worker: {' '.join(worker_cmd[2:])} (log: {worker_log})")
+        log(f"worker: {' '.join(worker_cmd[2:])}, result_backend {backend_url} (log: {worker_log})")
         with open(worker_log, "wb") as wlog:
             worker = subprocess.Popen(worker_cmd, cwd=PROJECT_DIR, env=env, stdin=subprocess.DEVNULL,
                                       stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_ready(worker, broker, backend, nodename, worker_log)
+            _wait_ready(worker, broker, backend_url, nodename, worker_log)
             log(f"worker ready after {time.monotonic() - started:.1f} s; running pytest on "
                 f"{' '.join(modules)}{f' ({len(only)} selected ids)' if only is not None else ''}")
             env.update({
@@ -274,20 +290,21 @@ def run_suite(pool: str, modules: Sequence[str], *, timeout: float, budget: floa
         finally:
             _kill_group(worker, grace=WORKER_STOP_GRACE)
     wall = time.monotonic() - started
-    return _result(pool, outcomes_file, wall, worker_log, pytest_log)
+    return _result(pool, backend, outcomes_file, wall, worker_log, pytest_log)
 
 
 @contextmanager
 def _no_store() -> Iterator[str]:
-    """prefork never opens pulse's store; the app still needs a URL to be configured."""
+    """prefork on the Redis backend never opens pulse's store; the app still needs a URL."""
     yield f"sqlite:///{CACHE_DIR}/unused-pulse-store.sqlite3"
 
 
-def _result(pool: str, outcomes_file: Path, wall: float, worker_log: Path, pytest_log: Path) -> RunResult:
+def _result(pool: str, backend: str, outcomes_file: Path, wall: float, worker_log: Path,
+            pytest_log: Path) -> RunResult:
     if not outcomes_file.exists():
         raise RuntimeError(f"pytest wrote no outcomes (crashed at start?); see {pytest_log}")
     data = json.loads(outcomes_file.read_text())
-    result = RunResult(pool=pool, collected=data["collected"], outcomes=data["outcomes"],
+    result = RunResult(pool=pool, backend=backend, collected=data["collected"], outcomes=data["outcomes"],
                        messages=data["messages"], durations=data["durations"], stopped=data["stopped"],
                        wall=wall, worker_log=worker_log, pytest_log=pytest_log)
     for test_id, seconds in result.durations.items():
@@ -310,5 +327,6 @@ def summary(result: RunResult) -> str:
     counts = ", ".join(f"{n} {k}" for k, n in sorted(result.counts().items()))
     modules = ", ".join(f"{m} {s:.0f} s" for m, s in sorted(result.module_wall.items()))
     stopped = f"; stopped early: {result.stopped}" if result.stopped else ""
-    return (f"{result.pool} (celery {celery_version()}): {len(result.collected)} collected: {counts}; "
+    return (f"{run_name(result.pool, result.backend)} (celery {celery_version()}): "
+            f"{len(result.collected)} collected: {counts}; "
             f"wall {result.wall:.0f} s (tests: {modules}){stopped}")

@@ -21,6 +21,7 @@ from kombu.utils.imports import symbol_by_name
 
 from celery_pulse.beat import Beat
 from celery_pulse.bootsteps.ahead import StartAhead
+from celery_pulse.bootsteps.chords import ChordFinisher
 from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.intake import Intake
 from celery_pulse.bootsteps.loop import LoopCaller
@@ -105,6 +106,11 @@ class PulseWorker:
             self.beat = Beat(store, self.elector, entries=EntrySource(app, store),
                              publish=publisher(app), catchup=settings.beat_catchup,
                              now=store.now)
+        #: Chords counted by this worker's completions (the ``pulse://`` backend).
+        self.chords: ChordFinisher | None = None
+        backend = app.backend if app.conf.result_backend else None
+        if backend is not None and ChordFinisher.wanted(backend):
+            self.chords = ChordFinisher(backend)
         self.recoverer = Recoverer(
             store, hostname, interval=settings.recover_interval, batch=settings.recover_batch,
             publish_ttl=max(5.0, settings.lease_ttl), retention=settings.retention,
@@ -131,6 +137,8 @@ class PulseWorker:
         # wait Python's default 5 ms GIL switch interval behind the consumer loop.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self.keeper.start()
+        if self.chords is not None:
+            self.chords.start()
         self.recoverer.start()
         if self.elector is not None and self.beat is not None:
             self.beat.start()
@@ -154,6 +162,11 @@ class PulseWorker:
         if self.elector is not None and not self.elector.is_leader:
             return 0
         purged: int = self.store.purge_finished(older_than)
+        if self.chords is not None:
+            try:
+                self.chords.recover()
+            except Exception:
+                logger.exception("pulse: recovering chords failed")
         return purged
 
     def _on_gained(self, grant: LeaderGrant) -> None:
@@ -195,8 +208,14 @@ class PulseWorker:
     def complete(self, claim: LocalClaim, outcome: str, error: str | None) -> None:
         """Record the claim's outcome; deliveries waiting for its end look again after."""
         task_id = claim.task_id
-        self.keeper.submit_complete(claim, outcome, error,
-                                    lambda _result: self.loop.call(self.claim_ended, task_id))
+        part = claim.chord_part
+
+        def done(_answer: Any, counted: tuple[int, str] | None) -> None:
+            self.loop.call(self.claim_ended, task_id)
+            if counted is not None and part is not None and self.chords is not None:
+                self.chords.counted(part, *counted)
+
+        self.keeper.submit_complete(claim, outcome, error, done)
         self.ahead.left(claim)
         self.admit_waiting()
 
@@ -230,6 +249,8 @@ class PulseWorker:
             self.elector.stop()  # releases: the next leader ticks within one interval
         self.recoverer.stop()
         self.keeper.stop()
+        if self.chords is not None:
+            self.chords.stop()  # after the last completions counted their chords
         if self.membership is not None:
             self.membership.stop(deregister=True)
 

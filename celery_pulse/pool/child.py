@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 LEASE_SIGNAL = signal.SIGUSR2
 REFUSED = "celery-pulse:start-refused"
-#: ``(RECORDED, tracer's return, ResultRecord)``: the attempt's result for the ``pulse://``
-#: backend, written by the parent with the completion (fenced), not by the child.
+#: ``(RECORDED, tracer's return, ResultRecord, chord part or None)``: the attempt's result
+#: for the ``pulse://`` backend, written (and a chord part counted) by the parent with the
+#: completion (fenced), not by the child.
 RECORDED = "celery-pulse:result"
 #: Result-backend methods Celery's tracer writes a task's state through.
 BACKEND_WRITES = ("store_result", "mark_as_done", "mark_as_failure", "mark_as_retry",
@@ -204,7 +205,7 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         with deferred_result(task_id) as deferral:
             value = target(*args, **kwargs)
         if deferral.record is not None:
-            return (RECORDED, value, deferral.record)
+            return (RECORDED, value, deferral.record, deferral.chord)
         return value
     finally:
         _armed = None

@@ -168,8 +168,9 @@ class TaskPool(prefork.TaskPool):
             if isinstance(result, tuple) and len(result) == 2 and result[0] == child.REFUSED:
                 self._drop(claim, claim.request, "the lease was lost before the body started")
                 return None
-            if isinstance(result, tuple) and len(result) == 3 and result[0] == child.RECORDED:
-                claim.result, result = result[2], result[1]  # written with the completion
+            if isinstance(result, tuple) and len(result) == 4 and result[0] == child.RECORDED:
+                # Written (and a chord part counted) with the completion.
+                claim.result, claim.chord_part, result = result[2], result[3], result[1]
             try:
                 return original(result) if original else None
             finally:

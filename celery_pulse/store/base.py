@@ -212,13 +212,20 @@ class ResultRecord:
     """A value for the result backend's table, written with a fenced completion."""
 
     key: str
-    value: bytes
+    #: None: nothing to write (a chord part whose result is ignored still counts).
+    value: bytes | None
     #: The backend's state of the value (a ``final`` one is never overwritten).
     state: str
     #: Seconds it lives from the write (None: for ever).
     expires: float | None
     #: The state no write replaces (the backend's success).
     final: str
+    #: A counter (a chord's) to add one to, if the completion applies, in its transaction:
+    #: each part counts once, whatever repeats. The count this part made is answered.
+    counter: str | None = None
+    #: Kept with the counter when this part creates it: what finishing the count needs
+    #: if the worker that made it whole died before it could (a chord's callback).
+    counter_note: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -270,6 +277,10 @@ class Exchanged:
     #: ``task_id -> new lease_until`` of the starts that moved, as
     #: :meth:`ClaimStore.start_many`.
     started: Mapping[str, float]
+    #: ``task_id -> (count, nonce)`` of the applied completions that added to a counter
+    #: (:attr:`ResultRecord.counter`): the counter's value once this one counted, and the
+    #: nonce the counter got when it was created (a new one per run of a chord).
+    counted: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
 
 class ClaimStore(abc.ABC):
@@ -286,9 +297,10 @@ class ClaimStore(abc.ABC):
         transaction; if it raises, none of them is known to have taken effect (a
         completion sent again is answered ``duplicate``).
         """
-        return Exchanged(self.complete(holder, completions) if completions else {},
+        counted: dict[str, tuple[int, str]] = {}
+        return Exchanged(self.complete(holder, completions, counted) if completions else {},
                          self.reserve(holder, reserves, ttl) if reserves else [],
-                         self.start_many(holder, starts, ttl) if starts else {})
+                         self.start_many(holder, starts, ttl) if starts else {}, counted)
 
     @abc.abstractmethod
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
@@ -336,12 +348,17 @@ class ClaimStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def complete(self, holder: str, completions: Sequence[Completion]) -> dict[str, str]:
+    def complete(self, holder: str, completions: Sequence[Completion],
+                 counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
         """Record outcomes; returns ``task_id -> applied|duplicate|evidence``.
 
         ``applied``: (epoch, token) still held, the claim took the outcome.
         ``duplicate``: the same outcome for the same epoch was already recorded.
         ``evidence``: stale; kept in the evidence table, never authoritative.
+
+        An applied completion's result (:attr:`Completion.result`) is written, and its
+        counter counted, in the same transaction; ``counted`` receives the counts
+        (:attr:`Exchanged.counted`). Stores without a result table ignore both.
         """
 
     @abc.abstractmethod

@@ -8,6 +8,8 @@ counts them there), guarded by the lease.
 from __future__ import annotations
 
 import contextlib
+import re
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery, chord, group
+from celery.result import GroupResult
 
 import celery_pulse
+from celery_pulse.store.base import ResultRecord
 from tests.acceptance.test_leases import Claims, db, events, wait_event
 from tests.helpers.workers import Env, Worker
 
@@ -59,7 +63,7 @@ def test_results_groups_and_chords(stack: tuple[str, str, dict[str, Any]],
     + RabbitMQ: get, failures with their traceback, groups, a chord, forget."""
     store_url, broker_url, conf = stack
     env = make_env(store_url, broker_url, {**conf, "result_backend": "pulse://"})
-    workers(env, "results@%h", concurrency=2).wait_ready()
+    w = workers(env, "results@%h", concurrency=2).wait_ready()
     with client(env) as app:
         assert app.send_task("pulseapp.add", (2, 3)).get(timeout=30) == 5
         failed = app.send_task("pulseapp.fail", ("boom",))
@@ -72,6 +76,8 @@ def test_results_groups_and_chords(stack: tuple[str, str, dict[str, Any]],
         joined = chord(app.signature("pulseapp.add", (i, 1)) for i in range(5))(
             app.signature("pulseapp.total"))
         assert joined.get(timeout=30) == sum(i + 1 for i in range(5))
+        # Counted with the parts' completions, finished by the worker's parent.
+        w.wait_log(rf"chord {joined.parent.id} complete \(5 parts\): callback published", 10)
         done = app.send_task("pulseapp.add", (1, 1))
         assert done.get(timeout=30) == 2
         done.forget()
@@ -125,3 +131,67 @@ def test_the_pool_children_write_no_results(
         answers = probes.get(timeout=30)
     assert len({pid for pid, _ in answers}) == 2
     assert [opened for _, opened in answers] == [False, False]
+
+
+def test_a_chord_counts_each_part_once_and_runs_its_callback_once(
+        pg_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        workers: Callable[..., Worker], db: Callable[[str], Claims]) -> None:
+    """40 parts on two ``-c 2`` workers: the callback sees every part's result and runs
+    once; the count is in the store, not polled (no ``celery.chord_unlock`` task)."""
+    env = make_env(pg_url, rabbitmq_url, {"result_backend": "pulse://"})
+    store_db = db(pg_url)
+    a = workers(env, "chord-a@%h", concurrency=2).wait_ready()
+    b = workers(env, "chord-b@%h", concurrency=2).wait_ready()
+    path = tmp_path / "callback.txt"
+    with client(env) as app:
+        joined = chord(app.signature("pulseapp.add", (i, i)) for i in range(40))(
+            app.signature("pulseapp.record_total", kwargs={"path": str(path)}))
+        assert joined.get(timeout=60) == sum(2 * i for i in range(40))
+    assert [e[:2] for e in events(path)] == [["total", str(sum(2 * i for i in range(40)))]]
+    logs = a.log() + b.log()
+    assert len(re.findall(rf"chord {joined.parent.id} complete \(40 parts\)", logs)) == 1
+    assert "chord_unlock" not in logs
+    assert store_db.get(joined.id).epoch == 1
+    # The chord's counter and saved group are gone once the callback is out.
+    keys = results_written_by(pg_url)
+    assert not [k for k in keys if joined.parent.id in k]
+
+
+def test_the_leader_finishes_a_chord_whose_counting_worker_died(
+        pg_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        workers: Callable[..., Worker]) -> None:
+    """A worker counted a chord's last part, published its callback and died before it
+    could clear the count: the store holds a whole count, the callback kept with it. The
+    leader's sweep publishes the callback again; the same publication, it runs once."""
+    env = make_env(pg_url, rabbitmq_url, {"result_backend": "pulse://", "pulse_beat": False})
+    path = tmp_path / "callback.txt"
+    with client(env) as app:
+        backend = app.backend
+        members = [app.AsyncResult(uuid.uuid4().hex) for _ in range(3)]
+        for i, member in enumerate(members):
+            backend.mark_as_done(member.id, i + 1)
+        group_id = uuid.uuid4().hex
+        GroupResult(group_id, members, app=app).save(backend=backend)
+        callback = app.signature("pulseapp.record_total", kwargs={"path": str(path)},
+                                 queue=env.queue)
+        callback.freeze()
+        note = backend.encode({"group": group_id, "chord": dict(callback)})
+        record = ResultRecord("unused", None, "SUCCESS", None, "SUCCESS",
+                              counter=backend.get_key_for_chord(group_id),
+                              counter_note=note.encode() if isinstance(note, str) else note)
+        rows = backend.rows
+        with rows.engine.begin() as conn:
+            counted = rows.count_parts(conn, [(m.id, record) for m in members])
+            conn.execute(sa.text(f"UPDATE pulse_results SET updated_at = {rows.dialect.clock}"
+                                 f" - 600 WHERE key = :k"), {"k": record.counter})
+        assert sorted(count for count, _ in counted.values()) == [1, 2, 3]
+        (nonce,) = {nonce for _, nonce in counted.values()}
+        # What the dead worker published: the callback, as its chord's publication.
+        callback.clone(args=([1, 2, 3],)).apply_async(
+            headers={"pulse_pub_fixed": f"chord:{group_id}:{nonce}"})
+        w = workers(env, "leader@%h").wait_ready()
+        assert app.AsyncResult(callback.id).get(timeout=30) == 6
+        w.wait_log(r"published the callback of 1 chord\(s\) whose last part's worker did not")
+        w.wait_log(rf"duplicate delivery of pulseapp.record_total\[{callback.id}\] dropped")
+        assert not [k for k in results_written_by(pg_url) if group_id in k]
+    assert [e[:2] for e in events(path)] == [["total", "6"]]

@@ -6,6 +6,7 @@ against a fresh, migrated store (SQLite, PostgreSQL, MariaDB).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -229,3 +230,39 @@ def test_a_fenced_result_does_not_replace_a_success(backend: PulseBackend,
                                        SUCCEEDED, None,
                                        _record(backend, retried.task_id, "done"))])
     assert _meta(backend, retried.task_id)["result"] == "done"
+
+
+@pytest.mark.parametrize("via", ["exchange", "complete"])
+def test_chord_parts_count_once_and_only_when_their_completion_applies(
+        backend: PulseBackend, sql_store: SqlStore, via: str) -> None:
+    counter = backend.get_key_for_chord("g1")
+
+    def part(g: Any, result: Any) -> Completion:
+        record = dataclasses.replace(_record(backend, g.task_id, result), counter=counter,
+                                     counter_note=b"the callback")
+        return Completion(g.task_id, g.epoch, g.token, SUCCEEDED, None, record)
+
+    first, second, stale, third = (grant(sql_store, W1, request()) for _ in range(4))
+    sql_store.release(W1, [key(stale)])
+    grant(sql_store, W2, request(stale.task_id))
+
+    def send(completions: list[Completion]) -> tuple[dict[str, str], dict[str, Any]]:
+        if via == "exchange":
+            done = sql_store.exchange(W1, TTL, completions, [], [])
+            return dict(done.completed), dict(done.counted)
+        counted: dict[str, Any] = {}
+        return sql_store.complete(W1, completions, counted), counted
+
+    answers, counted = send([part(first, 1), part(second, 2), part(stale, 0)])
+    assert answers[stale.task_id] == "evidence"
+    ordered = sorted([first.task_id, second.task_id])
+    assert {t: c for t, (c, _) in counted.items()} == {ordered[0]: 1, ordered[1]: 2}
+    nonces = {n for _, n in counted.values()}
+    assert len(nonces) == 1 and len(nonces.pop()) == 32
+    # Sent again (an exchange whose answer was lost): nothing counts twice.
+    answers, counted = send([part(first, 1)])
+    assert answers == {first.task_id: "duplicate"} and counted == {}
+    answers, counted = send([part(third, 3)])
+    assert [c for c, _ in counted.values()] == [3]
+    assert ResultRows(sql_store.engine).get(counter) == b"the callback"
+    assert AsyncResult(third.task_id, backend=backend).get(timeout=5) == 3

@@ -152,7 +152,7 @@ def test_what_queues_up_during_an_exchange_goes_out_together_in_the_next(
     try:
         keeper.submit_reserve(request("first"), lambda r, _sent: answers.update(first=r))
         assert spy.entered.wait(10)  # the first exchange is in flight
-        keeper.submit_complete(done, "succeeded", None, lambda r: answers.update(done=r))
+        keeper.submit_complete(done, "succeeded", None, lambda r, _c: answers.update(done=r))
         keeper.submit_start(waiting, lambda r: answers.update(waiting=r), urgent=False)
         keeper.submit_reserve(request("next"), lambda r, _sent: answers.update(next=r),
                               urgent=False)
@@ -176,7 +176,7 @@ def test_a_failed_exchange_answers_its_reservations_and_keeps_its_completions(
     answers: dict[str, Any] = {}
     keeper.start()
     try:
-        keeper.submit_complete(done, "succeeded", None, lambda r: answers.update(done=r))
+        keeper.submit_complete(done, "succeeded", None, lambda r, _c: answers.update(done=r))
         keeper.submit_reserve(request("new"), lambda r, _sent: answers.update(new=r))
         assert spy.entered.wait(10)
         spy.go.set()

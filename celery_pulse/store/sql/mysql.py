@@ -357,24 +357,31 @@ class MySqlStore(SqlStore):
             busy |= locked
         return renewed, busy
 
-    def complete(self, holder: str, completions: Sequence[Completion]) -> dict[str, str]:
+    def complete(self, holder: str, completions: Sequence[Completion],
+                 counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
         """As on PostgreSQL (see the contract); applied in statements per outcome."""
         rounds = _rounds(list(completions), lambda c: c.task_id)
 
-        def body(conn: sa.Connection) -> dict[str, str]:
+        def body(conn: sa.Connection) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
             out: dict[str, str] = {}
+            all_counts: dict[str, tuple[int, str]] = {}  # of this attempt (a retry redoes it)
             for batch in rounds:
                 for i in range(0, len(batch), _CHUNK):
-                    for task_id, answer in self._complete_locked(conn, holder,
-                                                                 batch[i:i + _CHUNK]).items():
+                    answers, counts = self._complete_locked(conn, holder,
+                                                            batch[i:i + _CHUNK])
+                    all_counts.update(counts)
+                    for task_id, answer in answers.items():
                         if _RANK[answer] > _RANK.get(out.get(task_id, ""), -1):
                             out[task_id] = answer
-            return out
+            return out, all_counts
 
-        return self._atomic("complete", body)
+        out, counts = self._atomic("complete", body)
+        if counted is not None:
+            counted.update(counts)
+        return out
 
     def _complete_locked(self, conn: sa.Connection, holder: str, chunk: list[Completion]
-                         ) -> dict[str, str]:
+                         ) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
         now = self._now
         current = {r.task_id: r for r in conn.execute(
             sa.select(claims.c.task_id, claims.c.epoch, claims.c.token, claims.c.state)
@@ -396,11 +403,13 @@ class MySqlStore(SqlStore):
                 state=state, outcome=outcome, error=error, token=None, lease_until=None,
                 finished_at=None if state == OPEN else now))
             answers.update(dict.fromkeys(ids, "applied"))
-        self._results().write_fenced(conn, [c.result for c in chunk if c.result is not None
-                                            and answers.get(c.task_id) == "applied"])
+        mine = [c for c in chunk if c.result is not None and answers.get(c.task_id) == "applied"]
+        self._results().write_fenced(conn, [c.result for c in mine if c.result is not None])
+        counts = self._results().count_parts(
+            conn, [(c.task_id, c.result) for c in mine if c.result is not None])
         if stale:
             answers.update(self._stale(conn, holder, stale, now))
-        return answers
+        return answers, counts
 
     def purge_finished(self, older_than: float, limit: int = 500) -> int:
         now = self._now

@@ -161,8 +161,68 @@ class ResultRows:
         completions it applied. PostgreSQL writes them in the completion's statement
         (:func:`fenced_upsert_cte`)."""
         for record in sorted(records, key=lambda r: r.key):  # one lock order
-            self._upsert(conn, record.key, record.value, record.state, record.expires,
-                         record.final)
+            if record.value is not None:
+                self._upsert(conn, record.key, record.value, record.state, record.expires,
+                             record.final)
+
+    def count_parts(self, conn: sa.Connection, parts: Sequence[tuple[str, ResultRecord]]
+                    ) -> dict[str, tuple[int, str]]:
+        """In a completion's transaction: add one to each applied part's counter.
+
+        Returns ``task_id -> (count, nonce)``: parts of one counter in one call count in
+        task id order (so exactly one of them makes any given count). A counter created
+        here, or found expired, starts again with a new nonce.
+        """
+        by_key: dict[str, list[tuple[str, ResultRecord]]] = {}
+        for task_id, record in parts:
+            if record.counter is not None:
+                by_key.setdefault(record.counter, []).append((task_id, record))
+        out: dict[str, tuple[int, str]] = {}
+        for key in sorted(by_key):  # one lock order
+            members = sorted(by_key[key], key=lambda part: part[0])
+            after, nonce = self._add(conn, key, len(members), members[0][1].expires,
+                                     members[0][1].counter_note)
+            for offset, (task_id, _) in enumerate(members):
+                out[task_id] = (after - len(members) + 1 + offset, nonce)
+        return out
+
+    def _add(self, conn: sa.Connection, key: str, amount: int, expires: float | None,
+             note: bytes | None) -> tuple[int, str]:
+        """Add ``amount`` to the counter at ``key``; its new value and its nonce. ``note``
+        is kept as the counter's value if it has none."""
+        now, until = self._now, self._until(expires)
+        stmt = self.dialect.insert(results).values(
+            key=key, value=note, counter=amount, state=self.dialect.new_token(),
+            updated_at=now, expires_at=until)
+        restart = sa.not_(self._live())
+        if self.dialect.is_mysql:
+            # Left to right: the counter, nonce and note read the old expiry, so they go
+            # first.
+            conn.execute(stmt.on_duplicate_key_update({
+                results.c.value: sa.case((sa.or_(restart, results.c.value.is_(None)),
+                                          stmt.inserted.value), else_=results.c.value),
+                results.c.state: sa.case((sa.or_(restart, results.c.state.is_(None)),
+                                          stmt.inserted.state), else_=results.c.state),
+                results.c.counter: sa.case(
+                    (restart, amount), else_=sa.func.coalesce(results.c.counter, 0) + amount),
+                results.c.updated_at: stmt.inserted.updated_at,
+                results.c.expires_at: stmt.inserted.expires_at,
+            }))
+            row = conn.execute(sa.select(results.c.counter, results.c.state).where(
+                results.c.key == key)).one()
+        else:
+            row = conn.execute(stmt.on_conflict_do_update(
+                index_elements=[results.c.key],
+                set_={"counter": sa.case((restart, amount),
+                                         else_=sa.func.coalesce(results.c.counter, 0) + amount),
+                      "state": sa.case((sa.or_(restart, results.c.state.is_(None)),
+                                        stmt.excluded.state), else_=results.c.state),
+                      "value": sa.case((sa.or_(restart, results.c.value.is_(None)),
+                                        stmt.excluded.value), else_=results.c.value),
+                      "updated_at": stmt.excluded.updated_at,
+                      "expires_at": stmt.excluded.expires_at},
+            ).returning(results.c.counter, results.c.state)).one()
+        return int(row[0]), str(row[1])
 
     def delete(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -201,6 +261,21 @@ class ResultRows:
         with self._write("result expire") as conn:
             conn.execute(sa.update(results).where(results.c.key == key, self._live())
                          .values(expires_at=self._until(seconds)))
+
+    def stale_counters(self, prefix: str, older_than: float, limit: int = 100
+                       ) -> list[tuple[str, int, str, bytes | None]]:
+        """Live counters created by fenced completions (they have a nonce), not touched
+        for ``older_than`` seconds: ``(key, count, nonce, note)``. What a worker that died
+        between counting and finishing left behind (or a count still in progress)."""
+        with self._read("result counters") as conn:
+            rows = conn.execute(
+                sa.select(results.c.key, results.c.counter, results.c.state, results.c.value)
+                .where(results.c.key.startswith(prefix, autoescape=True),
+                       results.c.counter.is_not(None), results.c.state.is_not(None),
+                       results.c.updated_at < self._now - older_than, self._live())
+                .order_by(results.c.updated_at).limit(limit)).all()
+        return [(str(r[0]), int(r[1]), str(r[2]), None if r[3] is None else bytes(r[3]))
+                for r in rows]
 
     def purge_expired(self, limit: int = PURGE_BATCH) -> int:
         """Delete up to ``limit`` rows past their expiry."""

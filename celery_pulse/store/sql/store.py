@@ -439,7 +439,9 @@ class SqlStore(Store):
         ids = ([c.task_id for c in completions], [r.task_id for r in reserves],
                [lease[0] for lease in starts])
         if self._pipeline is None or not any(ids) or any(
-                len(kind) > _CHUNK or len(set(kind)) < len(kind) for kind in ids):
+                len(kind) > _CHUNK or len(set(kind)) < len(kind) for kind in ids) or any(
+                c.result is not None and c.result.counter is not None for c in completions):
+            # (A chord part's counter is counted in a transaction of its own: rare.)
             return super().exchange(holder, ttl, completions, reserves, starts)
         statements = []
         if completions:
@@ -550,21 +552,32 @@ class SqlStore(Store):
             renewed |= got
         return renewed, busy
 
-    def complete(self, holder: str, completions: Sequence[Completion]) -> dict[str, str]:
+    def complete(self, holder: str, completions: Sequence[Completion],
+                 counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
         """See the contract. Two completions of one task id in one call (a stale attempt's
         and the current one's) are applied in order, each to the claim as the earlier left
         it; the answer for that id is the best of theirs (applied, duplicate, evidence)."""
         out: dict[str, str] = {}
-        with translated("complete"), self._single() as conn:
+        # A counter is a second statement that must commit with the completion: on
+        # PostgreSQL that takes a transaction instead of autocommit.
+        counting = any(c.result is not None and c.result.counter is not None
+                       for c in completions)
+        session = self.engine.begin() if counting else self._single()
+        with translated("complete"), session as conn:
             for batch in _rounds(list(completions), lambda c: c.task_id):
                 for i in range(0, len(batch), _CHUNK):
                     chunk = batch[i:i + _CHUNK]
                     applied = {row[0] for row in conn.exec_driver_sql(
                         *self._complete_statement(chunk))}
+                    mine = [c for c in chunk if c.result is not None and c.task_id in applied]
                     if not self.dialect.is_postgres:  # there, in the statement itself
-                        self._results().write_fenced(conn, [
-                            c.result for c in chunk
-                            if c.result is not None and c.task_id in applied])
+                        self._results().write_fenced(conn, [c.result for c in mine
+                                                            if c.result is not None])
+                    if counting:
+                        counts = self._results().count_parts(
+                            conn, [(c.task_id, c.result) for c in mine if c.result is not None])
+                        if counted is not None:
+                            counted.update(counts)
                     answers = dict.fromkeys(applied, "applied")
                     stale = [c for c in chunk if c.task_id not in applied]
                     if stale:
