@@ -20,8 +20,13 @@ import matplotlib.pyplot as plt
 STORE_LABEL = {"prefork": "prefork", "pulse-postgres": "pulse · PostgreSQL",
                "pulse-sqlite": "pulse · SQLite", "pulse-mariadb": "pulse · MariaDB",
                "prefork-sqla": "prefork + SQLAlchemy result backend · PostgreSQL",
-               "procrastinate": "procrastinate 3 · PostgreSQL"}
+               "procrastinate": "procrastinate 3 · PostgreSQL",
+               "prefork-redis": "prefork + Redis result backend",
+               "pulse-redis": "pulse · PostgreSQL + Redis result backend",
+               "pulse-results": "pulse · PostgreSQL + pulse:// result backend"}
 PEERS = ("prefork-sqla", "procrastinate")
+#: Result backends, every result stored (issue 17).
+RESULTS = ("prefork-redis", "pulse-redis", "pulse-results")
 #: pulse on each store; results of older runs may lack some (then they are left out).
 PULSE_STORES = ("pulse-postgres", "pulse-sqlite", "pulse-mariadb")
 VARIANTS = ("prefork", *PULSE_STORES)
@@ -30,10 +35,13 @@ VARIANTS = ("prefork", *PULSE_STORES)
 SQL_STORES = {"postgres": "PostgreSQL", "mariadb": "MariaDB"}
 #: Issue 15's targets for the redesigned hot path (DESIGN §5 asks 0.9x for every case).
 NOOP_TARGET, WORK_TARGET, PEER_TARGET, PARENT_CPU_TARGET = 0.5, 0.95, 2.0, 0.8
+#: Issue 17's: pulse + pulse:// vs prefork + SQLAlchemy backend, and vs pulse without results.
+RESULTS_VS_SQLA_TARGET, RESULTS_VS_PLAIN_TARGET = 2.0, 0.9
 BROKER_LABEL = {"rabbitmq": "RabbitMQ", "redis": "Redis"}
 COLORS = {"prefork": "#8c8c8c", "pulse-postgres": "#1f77b4", "pulse-sqlite": "#ff7f0e",
           "pulse-mariadb": "#17becf",
           "prefork-sqla": "#9467bd", "procrastinate": "#2ca02c",
+          "prefork-redis": "#bcbd22", "pulse-redis": "#e377c2", "pulse-results": "#8c564b",
           "pulse": "#1f77b4", "redbeat": "#d62728", "celery": "#8c8c8c"}
 THROUGHPUT_TARGET = 0.9
 X = "\u00d7"  # multiplication sign
@@ -84,7 +92,7 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
     if _ok(tp):
         labels = tp["workloads"]
         for row in tp["summary"]:
-            if row["variant"] == "prefork" or row["variant"] in PEERS:
+            if row["variant"] == "prefork" or row["variant"] in PEERS + RESULTS:
                 continue
             base = next(r for r in tp["summary"] if r["variant"] == "prefork"
                         and r["broker"] == row["broker"] and r["workload"] == row["workload"])
@@ -94,6 +102,7 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
                          ratio(row["ratio"]), f"≥ {THROUGHPUT_TARGET}{X}",
                          verdict(row["ratio"] is not None and row["ratio"] >= THROUGHPUT_TARGET)])
         rows += hot_path_rows(tp)
+        rows += results_rows(tp)
         pulse_mem = [r for r in tp["summary"] if r["variant"] == "pulse-postgres"]
         base_mem = [r for r in tp["summary"] if r["variant"] == "prefork"]
         if pulse_mem and base_mem:
@@ -246,6 +255,35 @@ def hot_path_rows(tp: dict[str, Any]) -> list[list[str]]:
                          f"store, vs prefork", f"{num(row['rate'])} tasks/s", "—",
                          ratio(row["ratio"]), f"≥ {WORK_TARGET}{X}",
                          verdict(row["ratio"] >= WORK_TARGET)])
+    return rows
+
+
+def versus(row: dict[str, Any], other: dict[str, Any]) -> float:
+    """``row``'s rate over ``other``'s: the median of per-repeat ratios where the runner
+    measured them (``vs``), else the ratio of the medians."""
+    value: float = row.get("vs", {}).get(other["variant"], row["rate"] / other["rate"])
+    return value
+
+
+def results_rows(tp: dict[str, Any]) -> list[list[str]]:
+    """Issue 17's targets: pulse + pulse:// at twice prefork + SQLAlchemy backend, and
+    within 10% of pulse without results (no-op tasks, RabbitMQ)."""
+    rows: list[list[str]] = []
+    labels = tp["workloads"]
+    noop = "noop-2000" if "noop-2000" in labels else "noop-500"
+    mine = _find(tp, "pulse-results", noop)
+    if mine is None:
+        return rows
+    for other, what, target in (
+            ("prefork-sqla", "prefork + SQLAlchemy backend", RESULTS_VS_SQLA_TARGET),
+            ("pulse-postgres", "pulse without results", RESULTS_VS_PLAIN_TARGET)):
+        theirs = _find(tp, other, noop)
+        if theirs is None:
+            continue
+        value = versus(mine, theirs)
+        rows.append([f"Issue 17: {labels[noop]}, pulse + pulse:// vs {what}",
+                     f"{num(mine['rate'])} tasks/s", f"{num(theirs['rate'])} tasks/s",
+                     ratio(value), f"≥ {target}{X}", verdict(value >= target)])
     return rows
 
 
@@ -586,6 +624,7 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
                  "too" if any(r["variant"] == "pulse-mariadb" for r in tp["summary"]) else "")
               + ". SQLite runs inside the worker (its cost is in the worker's columns)."
               + _unmeasured(tp, "pulse-mariadb")
+              + _results_method(tp)
               + (f" {tp['disturbed_attempts']} run(s) were disturbed from outside (the shared "
                  f"broker dropped the worker's connection) and measured again."
                  if tp.get("disturbed_attempts") else ""), "",
@@ -593,10 +632,17 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
                            "vs prefork", "CPU ms/task parent / children / store server"]),
               "", f"![throughput]({plot_throughput(tp, img)})", "",
               f"![cpu per task]({plot_cpu(tp, img)})", "", "**What this means.** "]
+    _throughput_meaning(tp, lines, results)
+    meaning = _results_meaning(tp)
+    if meaning:
+        lines += ["", meaning]
+
+
+def _throughput_meaning(tp: dict[str, Any], lines: list[str], results: dict[str, Any]) -> None:
     pulse = [r for r in tp["summary"] if r["variant"] != "prefork" and r["ratio"] is not None]
+    pulse = [r for r in pulse if r["variant"] not in PEERS + RESULTS]
     if not pulse:
         return
-    pulse = [r for r in pulse if r["variant"] not in PEERS]
     worst = min(pulse, key=lambda r: r["ratio"])
     best = max(pulse, key=lambda r: r["ratio"])
     missed = [r for r in pulse if r["ratio"] < THROUGHPUT_TARGET]
@@ -663,6 +709,68 @@ def _md_throughput(tp: dict[str, Any], lines: list[str], results: dict[str, Any]
         text += ("Section 1b profiles a pulse worker under this load to show which part of it "
                  "limits the rate, and what would close the gap.")
     lines[-1] += text
+
+
+def _results_method(tp: dict[str, Any]) -> str:
+    """The sentences on the result-backend runs (issue 17), if there were any."""
+    rows = [r for r in tp["summary"] if r["variant"] in RESULTS]
+    if not rows:
+        return ""
+    where = list(dict.fromkeys(f"{tp['workloads'][r['workload']]} ({BROKER_LABEL[r['broker']]})"
+                               for r in rows))
+    checked = sum(r.get("results_checked", 0) for r in tp["summary"]
+                  if r["variant"] in RESULTS or r["variant"] == "prefork-sqla")
+    return (f" Result backends (issue 17), on {'; '.join(where)}: every task stores its "
+            f"result, in Redis (a database of its own, emptied before each run; the store "
+            f"column adds the whole `redis-server` process, shared like MariaDB's) or with "
+            f"`result_backend = \"pulse://\"` in the run's fresh PostgreSQL store, where the "
+            f"worker's parent writes each result in the statement that completes the task. "
+            f"After each run the runner waited for a `SUCCESS` of every task published in its "
+            f"backend ({checked:,} results checked, SQLAlchemy's included); a missing one "
+            f"fails the run.")
+
+
+def _results_meaning(tp: dict[str, Any]) -> str:
+    """The paragraph on the result backends (issue 17), chosen by their numbers."""
+    labels = tp["workloads"]
+    noop = "noop-2000" if "noop-2000" in labels else "noop-500"
+    mine = _find(tp, "pulse-results", noop)
+    plain = _find(tp, "pulse-postgres", noop)
+    if mine is None or plain is None:
+        return ""
+    sqla = _find(tp, "prefork-sqla", noop)
+    text = (f"**What this means for results.** With every result stored in the pulse store "
+            f"(`pulse://`), a pulse worker runs {num(mine['rate'])} no-op tasks/s "
+            f"({labels[noop]}, RabbitMQ), {ratio(versus(mine, plain))} pulse without results "
+            f"(target ≥ {RESULTS_VS_PLAIN_TARGET}{X})")
+    if sqla:
+        text += (f" and {ratio(versus(mine, sqla))} prefork with Celery's SQLAlchemy backend "
+                 f"on the same PostgreSQL ({num(sqla['rate'])} tasks/s; target ≥ "
+                 f"{RESULTS_VS_SQLA_TARGET}{X})")
+    m, p = mine["cpu_ms_per_task"], plain["cpu_ms_per_task"]
+    text += (f". A result costs pulse {m['parent'] - p['parent']:+.2f} ms of CPU per task in "
+             f"the worker's parent ({m['parent']:.2f} vs {p['parent']:.2f}), "
+             f"{m['children'] - p['children']:+.2f} ms in the pool children, which write "
+             f"nothing, and {store_cpu(m) - store_cpu(p):+.2f} ms in PostgreSQL: it rides in "
+             f"the completion's statement, one round trip per batch. ")
+    if sqla:
+        s_ = sqla["cpu_ms_per_task"]
+        text += (f"Prefork with the SQLAlchemy backend spends {s_['children']:.2f} ms per task "
+                 f"in its children and {store_cpu(s_):.2f} ms in PostgreSQL: a session, a "
+                 f"read and a transaction of its own for every result. ")
+    redis = [r for r in (_find(tp, "prefork-redis", noop), _find(tp, "pulse-redis", noop)) if r]
+    if redis:
+        text += ("With Redis for results (the pool children write them, as in plain Celery): "
+                 + ", ".join(f"{STORE_LABEL[r['variant']]} {num(r['rate'])} tasks/s "
+                             f"({ratio(r['ratio'])} of prefork without results)" for r in redis)
+                 + ". ")
+    work = [r for r in tp["summary"] if r["variant"] in RESULTS and r["ratio"] is not None
+            and r["workload"].startswith("sleep")]
+    if work:
+        text += ("On tasks that do some work: " + ", ".join(
+            f"{STORE_LABEL[r['variant']]} {ratio(r['ratio'])} of prefork "
+            f"({labels[r['workload']]})" for r in work) + ".")
+    return text.rstrip()
 
 
 def _unmeasured(tp: dict[str, Any], variant: str) -> str:

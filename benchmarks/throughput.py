@@ -9,6 +9,14 @@ serving it (``store``): the PostgreSQL backends connected to the benchmark datab
 (schedstat), or the whole ``mariadbd`` process (one process with a thread per
 connection, shared with whoever else uses that server meanwhile; utime + stime). SQLite
 runs inside the worker: no server.
+
+Result backends (issue 17): the tasks store their results (none ignores them) wherever
+a run configures a backend: Celery's SQLAlchemy backend in a fresh schema
+(``prefork-sqla``), Redis in a database of its own, flushed before and after each run
+(``prefork-redis``, ``pulse-redis``; the whole ``redis-server`` process is added to the
+store column, shared like MariaDB's), or ``pulse://``, the run's fresh PostgreSQL store
+(``pulse-results``). After the measurement the runner checks that the backend holds a
+``SUCCESS`` for every task published (the run fails loudly if any is missing).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
+import os
 import statistics
 import sys
 import time
@@ -36,6 +46,23 @@ MAIN_ONLY = ("pulse-mariadb",)
 #: repeats (full runs, RabbitMQ, default acks only): prefork with Celery's own SQLAlchemy
 #: result backend, and procrastinate (a PostgreSQL job queue, ``-c 2``).
 PEERS = ("prefork-sqla", "procrastinate")
+#: Result backends (issue 17), every result stored: prefork + Redis, pulse (PostgreSQL
+#: store) + Redis, pulse + ``pulse://`` (its own store). Full runs: RabbitMQ, 2,000 no-op
+#: and 1,000 x 10 ms, in the same repeats as prefork-sqla (prefork + SQLAlchemy backend)
+#: and pulse-postgres (pulse without results), which they are compared with.
+RESULTS = ("prefork-redis", "pulse-redis", "pulse-results")
+#: In quick runs (the test suite's), only ``pulse://`` on the no-op workload: one short run.
+QUICK_RESULTS = ("pulse-results",)
+#: The store of a pulse variant whose name is not ``pulse-<store>``.
+STORE_OF = {"pulse-redis": "postgres", "pulse-results": "postgres"}
+#: The result backend of each variant that has one.
+RESULT_BACKEND_OF = {"prefork-sqla": "sqla", "prefork-redis": "redis",
+                     "pulse-redis": "redis", "pulse-results": "pulse"}
+#: Redis for the result backends: a database of its own (flushed before and after each
+#: run), not the broker's.
+RESULTS_REDIS_URL = os.environ.get("PULSE_BENCH_REDIS_RESULTS", "redis://127.0.0.1:6379/8")
+#: How long the runner waits, after a run's ``stop``, for the last results to be written.
+RESULTS_WAIT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +95,11 @@ def variants(broker: str, workload: Workload, quick: bool) -> tuple[str, ...]:
     """What runs for one (broker, workload): the peers only where they compare fairly."""
     if workload in LATE or workload.n > 2000:
         return tuple(v for v in VARIANTS if v not in MAIN_ONLY)
-    if quick or broker != "rabbitmq":
+    if broker != "rabbitmq":
         return VARIANTS
-    return VARIANTS + PEERS
+    if quick:
+        return VARIANTS + (QUICK_RESULTS if workload.task == "bench.noop" else ())
+    return VARIANTS + PEERS + RESULTS
 
 
 def plan(quick: bool) -> list[tuple[str, Workload, int]]:
@@ -128,6 +157,88 @@ class MariaDBServer:
         pass
 
 
+class RedisServer:
+    """CPU of the local ``redis-server`` of ``url`` (the whole process: shared with whoever
+    else uses it during the run; nothing if it is not a process on this host)."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        client = redis.Redis.from_url(url)
+        try:
+            pid = int(client.info("server")["process_id"])
+        finally:
+            client.close()
+        self.pid: int | None = pid if infra._comm(pid).startswith("redis") else None
+        if self.pid is None:
+            infra.log(f"the Redis server of {url} is not a process on this host: "
+                      f"its CPU is not measured")
+
+    def cpu(self) -> dict[int, float]:
+        return infra.process_cpu_seconds(self.pid) if self.pid is not None else {}
+
+    def close(self) -> None:
+        pass
+
+
+Meter = PgBackends | MariaDBServer | RedisServer
+
+
+def _cpu_of(meters: list[Meter]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for meter in meters:
+        out.update(meter.cpu())
+    return out
+
+
+def stored_results(backend: str, url: str, ids: list[str]) -> set[str]:
+    """The ids among ``ids`` whose result ``backend`` (of ``url``) holds as ``SUCCESS``."""
+    wanted = set(ids)
+    if backend == "redis":
+        import redis
+
+        client = redis.Redis.from_url(url)
+        try:
+            values = client.mget([f"celery-task-meta-{i}" for i in ids])
+        finally:
+            client.close()
+        return {json.loads(v)["task_id"] for v in values
+                if v is not None and json.loads(v).get("status") == "SUCCESS"} & wanted
+    if backend == "pulse":
+        query = ("SELECT substr(key, length('celery-task-meta-') + 1) FROM pulse_results "
+                 "WHERE key LIKE 'celery-task-meta-%' AND state = 'SUCCESS'")
+    elif backend == "sqla":
+        query = "SELECT task_id FROM celery_taskmeta WHERE status = 'SUCCESS'"
+    else:
+        raise ValueError(f"unknown result backend {backend!r}")
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return set(conn.execute(sa.text(query)).scalars()) & wanted
+    finally:
+        engine.dispose()
+
+
+def check_results(backend: str, url: str, ids: list[str], worker: infra.Worker) -> int:
+    """Wait (up to RESULTS_WAIT) until ``backend`` holds a ``SUCCESS`` for every one of
+    ``ids``; raise if some never arrive. Returns how many were checked."""
+    missing: set[str] = set(ids)
+
+    def complete() -> bool:
+        nonlocal missing
+        worker.check_alive()
+        missing = set(ids) - stored_results(backend, url, ids)
+        return not missing
+    try:
+        infra.wait_for(complete, RESULTS_WAIT, f"every result in the {backend} backend", 0.2)
+    except TimeoutError:
+        raise RuntimeError(f"{worker.name}: the {backend} result backend lacks the result of "
+                           f"{len(missing)} of {len(ids)} tasks {RESULTS_WAIT:g} s after the "
+                           f"run (e.g. {sorted(missing)[:3]}):\n{worker.log()[-3000:]}"
+                           ) from None
+    return len(ids)
+
+
 #: A run whose queue does not shrink for this long is stuck (reported, not waited out).
 STALL = 45.0
 
@@ -171,31 +282,48 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
     queue = f"bench-tp-{uuid.uuid4().hex[:10]}"
     stop_file = scratch.path("stop")
     pool = "pulse" if variant.startswith("pulse") else "prefork"
-    store_kind = variant.split("-", 1)[1] if pool == "pulse" else None
-    backends: PgBackends | MariaDBServer | None = None
-    if store_kind == "postgres" or variant == "prefork-sqla":
-        backends = PgBackends(database_url)
+    store_kind = STORE_OF.get(variant, variant.split("-", 1)[-1]) if pool == "pulse" else None
+    result_backend = RESULT_BACKEND_OF.get(variant)
+    meters: list[Meter] = []
+    if store_kind == "postgres" or result_backend == "sqla":
+        meters.append(PgBackends(database_url))
     elif store_kind == "mariadb":
-        backends = MariaDBServer()
+        meters.append(MariaDBServer())
+    if result_backend == "redis":
+        meters.append(RedisServer(RESULTS_REDIS_URL))
+    checked = 0
     with contextlib.ExitStack() as stack:
+        for meter in meters:
+            stack.callback(meter.close)
         store = (stack.enter_context(infra.fresh_store(store_kind, scratch, database_url,
                                                        mariadb_url))
                  if store_kind else None)
-        conf = None
-        if variant == "prefork-sqla":  # Celery's own SQLAlchemy result backend
-            conf = {"result_backend": "db+" + stack.enter_context(
-                infra.fresh_pg_schema(database_url))}
+        conf: dict[str, Any] | None = None
+        results_url = ""
+        if result_backend == "sqla":  # Celery's own SQLAlchemy result backend
+            results_url = stack.enter_context(infra.fresh_pg_schema(database_url))
+            conf = {"result_backend": "db+" + results_url}
+        elif result_backend == "redis":  # a database of its own, emptied before and after
+            results_url = RESULTS_REDIS_URL
+            infra.purge_redis_db(results_url)
+            stack.callback(infra.purge_redis_db, results_url)
+            conf = {"result_backend": results_url}
+        elif result_backend == "pulse":  # the run's own store (pulse_store_url)
+            assert store is not None
+            results_url = store
+            conf = {"result_backend": "pulse://"}
         infra.declare_queue(broker_url, queue)
         stack.callback(infra.delete_queue, broker_url, queue)
-        infra.publish(broker_url, queue, [(workload.task, list(workload.args))] * workload.n
-                      + [("bench.stop", [str(stop_file)])])
+        ids = infra.publish(broker_url, queue,
+                            [(workload.task, list(workload.args))] * workload.n
+                            + [("bench.stop", [str(stop_file)])])
         started = stack.enter_context(infra.workers())
         worker = infra.Worker(scratch, f"tp-{variant}", pool=pool, concurrency=CONCURRENCY,
                               broker=broker_url, queue=queue, store=store, conf=conf)
         started.append(worker)
         ready = worker.wait_ready(timeout=60)
         parent0, children0 = _cpu_split(worker)
-        store0 = backends.cpu() if backends else {}
+        store0 = _cpu_of(meters)
 
         progress = Progress(broker_url, queue)
 
@@ -213,12 +341,12 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
         worker.check_undisturbed()
         stop = float(stop_file.read_text().split()[-1])
         parent1, children1 = _cpu_split(worker)
-        store1 = backends.cpu() if backends else {}
+        store1 = _cpu_of(meters)
         rss, pss = infra.memory(worker.pids())
         elapsed = stop - ready
+        if result_backend:  # after the measurement, before the worker goes
+            checked = check_results(result_backend, results_url, ids, worker)
         worker.kill()
-    if backends:
-        backends.close()
     n = workload.n
     return {
         "broker": broker, "variant": variant, "workload": workload.key, "n": n,
@@ -228,6 +356,7 @@ def run_one(scratch: infra.Scratch, database_url: str, broker: str, variant: str
             "children": 1000 * infra.cpu_delta(children0, children1) / n,
             "store": 1000 * infra.cpu_delta(store0, store1) / n},
         "rss_mb": rss / 2**20, "pss_mb": pss / 2**20,
+        "results_checked": checked,
     }
 
 
@@ -308,27 +437,45 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
             "workloads": {w.key: w.label for w in workloads(quick)}}
 
 
+#: Variants compared with each other in the same repeats (issue 17): the median of
+#: per-repeat ratios, next to the ratio to prefork.
+COMPARED = {"pulse-results": ("pulse-postgres", "prefork-sqla", "pulse-redis"),
+            "pulse-redis": ("pulse-postgres",), "prefork-redis": ("prefork-sqla",)}
+
+
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median rate per (broker, workload, variant) and median per-repeat ratio vs prefork."""
+    """Median rate per (broker, workload, variant) and median per-repeat ratio vs prefork
+    (and, for the result backends, vs the variants of COMPARED)."""
     out = []
     keys = sorted({(r["broker"], r["workload"]) for r in runs},
                   key=lambda k: (k[0] != "rabbitmq", k[1]))
     for broker, workload in keys:
         mine = [r for r in runs if r["broker"] == broker and r["workload"] == workload]
-        base = {r["repeat"]: r["rate"] for r in mine if r["variant"] == "prefork"}
-        for variant in VARIANTS + PEERS:
+        rates = {v: {r["repeat"]: r["rate"] for r in mine if r["variant"] == v}
+                 for v in {r["variant"] for r in mine}}
+        base = rates.get("prefork", {})
+        for variant in VARIANTS + PEERS + RESULTS:
             rows = [r for r in mine if r["variant"] == variant]
             if not rows:
                 continue
             ratios = [r["rate"] / base[r["repeat"]] for r in rows if r["repeat"] in base]
             cpu = {k: statistics.median(r["cpu_ms_per_task"][k] for r in rows)
                    for k in ("parent", "children", "store")}
+            vs: dict[str, float] = {}
+            for other in COMPARED.get(variant, ()):
+                theirs = rates.get(other, {})
+                per_repeat = [r["rate"] / theirs[r["repeat"]] for r in rows
+                              if r["repeat"] in theirs]
+                if per_repeat:
+                    vs[other] = statistics.median(per_repeat)
             out.append({
                 "broker": broker, "workload": workload, "variant": variant,
                 "n": rows[0]["n"], "repeats": len(rows),
                 "rate": statistics.median(r["rate"] for r in rows),
                 "rates": [r["rate"] for r in rows],
                 "ratio": statistics.median(ratios) if ratios else None,
+                "vs": vs,
+                "results_checked": sum(r.get("results_checked", 0) for r in rows),
                 "cpu_ms_per_task": cpu,
                 "rss_mb": statistics.median(r["rss_mb"] for r in rows),
                 "pss_mb": statistics.median(r["pss_mb"] for r in rows),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from celery import states
 from celery.backends.base import KeyValueStoreBackend
 from celery.exceptions import ImproperlyConfigured
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 
 from celery_pulse.errors import InvalidConfig, StoreUnavailable
 from celery_pulse.settings import STORE_SCHEMES, Settings, mask_url
@@ -235,6 +237,26 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
 
     def expire(self, key: str, value: float | None) -> None:
         self.rows.expire(key, value)
+
+    def wait_for(self, task_id: str, timeout: float | None = None, interval: float = 0.5,
+                 no_ack: bool = True, on_interval: Any = None) -> Any:
+        """``AsyncResult.get()``: woken by the write's commit on PostgreSQL (LISTEN/NOTIFY,
+        ``interval`` only as a safety poll); elsewhere polling from 5 ms, doubling up to
+        ``interval``."""
+        self._ensure_not_eager()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.rows.watch([self.get_key_for_task(task_id)]) as watch:
+            while True:
+                meta = self.get_task_meta(task_id)
+                if meta["status"] in states.READY_STATES:
+                    return meta
+                if on_interval:
+                    on_interval()
+                left = interval if deadline is None else min(interval,
+                                                             deadline - time.monotonic())
+                if left <= 0:
+                    raise CeleryTimeoutError("The operation timed out.")
+                watch.wait(left)
 
     def cleanup(self) -> None:
         """``celery.backend_cleanup``: delete expired rows now (retention does it too)."""

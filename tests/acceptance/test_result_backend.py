@@ -22,7 +22,7 @@ from celery.result import GroupResult
 import celery_pulse
 from celery_pulse.store.base import ResultRecord
 from tests.acceptance.test_leases import Claims, db, events, wait_event
-from tests.helpers.workers import Env, Worker
+from tests.helpers.workers import Env, Worker, wait_for
 
 __all__ = ["db"]
 
@@ -148,8 +148,11 @@ def test_a_chord_counts_each_part_once_and_runs_its_callback_once(
             app.signature("pulseapp.record_total", kwargs={"path": str(path)}))
         assert joined.get(timeout=60) == sum(2 * i for i in range(40))
     assert [e[:2] for e in events(path)] == [["total", str(sum(2 * i for i in range(40)))]]
+    finished = rf"chord {joined.parent.id} complete \(40 parts\)"
+    # Logged by the finishing thread after the publish: the callback may be done first.
+    wait_for(lambda: re.search(finished, a.log() + b.log()), 10, "the chord's finish log")
     logs = a.log() + b.log()
-    assert len(re.findall(rf"chord {joined.parent.id} complete \(40 parts\)", logs)) == 1
+    assert len(re.findall(finished, logs)) == 1
     assert "chord_unlock" not in logs
     assert store_db.get(joined.id).epoch == 1
     # The chord's counter and saved group are gone once the callback is out.

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery, states
 from celery.exceptions import ImproperlyConfigured
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, GroupResult
 
 from celery_pulse.backend import PulseBackend
@@ -266,3 +268,30 @@ def test_chord_parts_count_once_and_only_when_their_completion_applies(
     assert [c for c, _ in counted.values()] == [3]
     assert ResultRows(sql_store.engine).get(counter) == b"the callback"
     assert AsyncResult(third.task_id, backend=backend).get(timeout=5) == 3
+
+
+def test_get_wakes_on_the_write_not_on_its_poll_interval(backend: PulseBackend,
+                                                         store_url: str) -> None:
+    """A waiter with a 20 s poll interval returns soon after the write (PostgreSQL:
+    LISTEN/NOTIFY; elsewhere polls start at 5 ms and double); the write comes from another
+    process's connection, as a worker's would."""
+    writer = _app("pulse+" + store_url, result_expires=3600).backend
+    started = threading.Event()
+
+    def write_later() -> None:
+        started.wait(5)
+        time.sleep(0.3)  # the waiter is asleep in its wait by then
+        writer.mark_as_done("awaited", "here")
+
+    thread = threading.Thread(target=write_later)
+    thread.start()
+    began = time.monotonic()
+    started.set()
+    try:
+        assert AsyncResult("awaited", backend=backend).get(timeout=30, interval=20) == "here"
+    finally:
+        thread.join()
+        writer.rows.engine.dispose()
+    assert time.monotonic() - began < 10
+    with pytest.raises(CeleryTimeoutError):
+        AsyncResult("never", backend=backend).get(timeout=0.2, interval=20)

@@ -14,6 +14,7 @@ Two rules are decided by the statement itself, never by a read before it:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +28,34 @@ from celery_pulse.store.sql.tables import results
 
 #: Rows deleted per statement by :meth:`ResultRows.purge_expired`.
 PURGE_BATCH = 500
+#: PostgreSQL: the channel a trigger announces every value written on (migration 0008),
+#: the key as the payload.
+CHANNEL = "pulse_results"
+#: Elsewhere a waiter polls, first after this long, doubling up to its interval.
+FIRST_POLL = 0.005
+
+
+class Watch:
+    """Waits for a write to one of ``keys`` (see :meth:`ResultRows.watch`)."""
+
+    def __init__(self, keys: set[str], conn: Any = None) -> None:
+        self.keys = keys
+        self._conn = conn
+        self._step = FIRST_POLL
+
+    def wait(self, seconds: float) -> None:
+        """Until one of the keys is written (PostgreSQL), or a poll's time (else); never
+        longer than ``seconds``."""
+        if self._conn is None:
+            nap = min(self._step, max(0.0, seconds))
+            self._step = min(self._step * 2, max(seconds, FIRST_POLL))
+            time.sleep(nap)
+            return
+        end = time.monotonic() + max(0.0, seconds)
+        while (left := end - time.monotonic()) > 0:
+            for note in self._conn.notifies(timeout=left, stop_after=1):
+                if note.payload in self.keys:
+                    return
 
 
 def fenced_upsert_cte(records: int, clock: str, done: str = "done") -> str:
@@ -109,6 +138,29 @@ class ResultRows:
             rows = dict(conn.execute(sa.select(results.c.key, results.c.value).where(
                 results.c.key.in_(list(keys)), self._live())).tuples().all())
         return [None if rows.get(k) is None else bytes(rows[k]) for k in keys]
+
+    @contextmanager
+    def watch(self, keys: Sequence[str]) -> Iterator[Watch]:
+        """Watch ``keys`` for writes. Enter it before reading them: on PostgreSQL it
+        listens first, so a write committed between the read and the wait still wakes it."""
+        if not self.dialect.is_postgres:
+            yield Watch(set(keys))
+            return
+        with translated("result watch"):
+            raw = self.engine.raw_connection()
+        conn: Any = raw.driver_connection
+        try:
+            with translated("result watch"):
+                conn.autocommit = True
+                conn.execute(f"LISTEN {CHANNEL}")
+            yield Watch(set(keys), conn)
+        finally:
+            try:
+                conn.execute(f"UNLISTEN {CHANNEL}")
+                conn.autocommit = False
+            except Exception:  # broken: the pool must not have it back
+                raw.invalidate()
+            raw.close()
 
     def counter(self, key: str) -> int | None:
         with self._read("result counter") as conn:
