@@ -718,16 +718,17 @@ def _results_method(tp: dict[str, Any]) -> str:
         return ""
     where = list(dict.fromkeys(f"{tp['workloads'][r['workload']]} ({BROKER_LABEL[r['broker']]})"
                                for r in rows))
-    checked = sum(r.get("results_checked", 0) for r in tp["summary"]
-                  if r["variant"] in RESULTS or r["variant"] == "prefork-sqla")
+    checked = sum(r.get("results_checked", 0) for r in tp["summary"])
+    sqla = any(r["variant"] == "prefork-sqla" for r in tp["summary"])
     return (f" Result backends (issue 17), on {'; '.join(where)}: every task stores its "
             f"result, in Redis (a database of its own, emptied before each run; the store "
             f"column adds the whole `redis-server` process, shared like MariaDB's) or with "
             f"`result_backend = \"pulse://\"` in the run's fresh PostgreSQL store, where the "
             f"worker's parent writes each result in the statement that completes the task. "
             f"After each run the runner waited for a `SUCCESS` of every task published in its "
-            f"backend ({checked:,} results checked, SQLAlchemy's included); a missing one "
-            f"fails the run.")
+            f"backend ({checked:,} results checked"
+            + (", prefork + SQLAlchemy's included" if sqla else "") + "); a missing one "
+            "fails the run.")
 
 
 def _results_meaning(tp: dict[str, Any]) -> str:

@@ -51,6 +51,9 @@ PEERS = ("prefork-sqla", "procrastinate")
 #: and 1,000 x 10 ms, in the same repeats as prefork-sqla (prefork + SQLAlchemy backend)
 #: and pulse-postgres (pulse without results), which they are compared with.
 RESULTS = ("prefork-redis", "pulse-redis", "pulse-results")
+#: Where RESULTS run in full runs (about 80 s of the full run for both, 25 s for the no-op
+#: one alone).
+RESULTS_WORKLOADS = ("noop-2000", "sleep-1000")
 #: In quick runs (the test suite's), only ``pulse://`` on the no-op workload: one short run.
 QUICK_RESULTS = ("pulse-results",)
 #: The store of a pulse variant whose name is not ``pulse-<store>``.
@@ -99,7 +102,7 @@ def variants(broker: str, workload: Workload, quick: bool) -> tuple[str, ...]:
         return VARIANTS
     if quick:
         return VARIANTS + (QUICK_RESULTS if workload.task == "bench.noop" else ())
-    return VARIANTS + PEERS + RESULTS
+    return VARIANTS + PEERS + (RESULTS if workload.key in RESULTS_WORKLOADS else ())
 
 
 def plan(quick: bool) -> list[tuple[str, Workload, int]]:

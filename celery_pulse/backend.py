@@ -204,8 +204,12 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         size = chord.get("chord_size")
         if size is None:
             deps = GroupResult.restore(part["group"], backend=self)
-            # Gone: Celery's own code (below) reports the ChordError.
-            size = count if deps is None else len(deps)
+            if deps is None:
+                # Finished already: the parts of one exchange come here in task id order,
+                # not in count order, so the last count may have been first. (Or expired,
+                # with its count: nothing left to finish.)
+                return False
+            size = len(deps)
         if count != size:
             return False
         options = dict(chord.get("options") or {})

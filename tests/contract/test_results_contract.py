@@ -295,3 +295,22 @@ def test_get_wakes_on_the_write_not_on_its_poll_interval(backend: PulseBackend,
     assert time.monotonic() - began < 10
     with pytest.raises(CeleryTimeoutError):
         AsyncResult("never", backend=backend).get(timeout=0.2, interval=20)
+
+
+def test_a_chord_is_finished_by_its_whole_count_only(backend: PulseBackend) -> None:
+    """The counts of one exchange reach the finishing thread in task id order: the whole
+    count may come before a smaller one. Only the whole one publishes the callback; a
+    smaller one after it finds the chord finished and does nothing (no ChordError)."""
+    app = backend.app
+    members = [AsyncResult(f"part-{i}", app=app) for i in range(3)]
+    for i, member in enumerate(members):
+        backend.mark_as_done(member.id, i)
+    GroupResult("chord-g", members, app=app).save(backend=backend)
+    callback = app.signature("results-contract.callback")
+    callback.freeze()
+    part = {"id": "part-0", "group": "chord-g", "chord": dict(callback)}
+    assert not backend.finish_chord(part, 2, "n" * 32)
+    assert backend.finish_chord(part, 3, "n" * 32)  # published to the app's memory:// broker
+    assert GroupResult.restore("chord-g", app=app, backend=backend) is None
+    assert not backend.finish_chord(part, 2, "n" * 32)
+    assert _meta(backend, callback.id)["status"] == states.PENDING
