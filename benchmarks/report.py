@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -361,8 +362,9 @@ def plot_throughput(tp: dict[str, Any], img: Path) -> str:
 
 def plot_cpu(tp: dict[str, Any], img: Path) -> str:
     rows = [r for r in tp["summary"] if r["workload"] == tp["summary"][0]["workload"]]
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(rows)), 3.6))
-    labels = [f"{STORE_LABEL[r['variant']]}\n{BROKER_LABEL[r['broker']]}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(rows)), 4.4))
+    labels = [f"{textwrap.fill(STORE_LABEL[r['variant']], 18)}\n{BROKER_LABEL[r['broker']]}"
+              for r in rows]
     bottom = [0.0] * len(rows)
     for part, color in (("parent", "#4c72b0"), ("children", "#55a868"), ("store", "#c44e52")):
         values = [store_cpu(r["cpu_ms_per_task"]) if part == "store" else
@@ -370,7 +372,8 @@ def plot_cpu(tp: dict[str, Any], img: Path) -> str:
         ax.bar(labels, values, bottom=bottom, color=color, label={
             "parent": "worker parent (consumer loop + pulse threads)",
             "children": "pool children",
-            "store": "store server (PostgreSQL backends; MariaDB: whole server, shared)"}[part])
+            "store": "store server (PostgreSQL backends; MariaDB, Redis: whole server, "
+                     "shared)"}[part])
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_ylabel("CPU ms per task")
     ax.set_title(f"Where the CPU goes, {tp['workloads'][rows[0]['workload']]} (median)")
@@ -731,6 +734,11 @@ def _results_method(tp: dict[str, Any]) -> str:
             "fails the run.")
 
 
+def _delta(value: float) -> str:
+    """A signed difference in ms, with no ``-0.00``."""
+    return f"{0.0 if abs(value) < 0.005 else value:+.2f}"
+
+
 def _results_meaning(tp: dict[str, Any]) -> str:
     """The paragraph on the result backends (issue 17), chosen by their numbers."""
     labels = tp["workloads"]
@@ -740,37 +748,52 @@ def _results_meaning(tp: dict[str, Any]) -> str:
     if mine is None or plain is None:
         return ""
     sqla = _find(tp, "prefork-sqla", noop)
+    vs_plain = versus(mine, plain)
     text = (f"**What this means for results.** With every result stored in the pulse store "
             f"(`pulse://`), a pulse worker runs {num(mine['rate'])} no-op tasks/s "
-            f"({labels[noop]}, RabbitMQ), {ratio(versus(mine, plain))} pulse without results "
-            f"(target ≥ {RESULTS_VS_PLAIN_TARGET}{X})")
+            f"({labels[noop]}, RabbitMQ): {ratio(vs_plain)} pulse without results (target "
+            f"≥ {RESULTS_VS_PLAIN_TARGET}{X}, {verdict(vs_plain >= RESULTS_VS_PLAIN_TARGET)})")
     if sqla:
-        text += (f" and {ratio(versus(mine, sqla))} prefork with Celery's SQLAlchemy backend "
-                 f"on the same PostgreSQL ({num(sqla['rate'])} tasks/s; target ≥ "
-                 f"{RESULTS_VS_SQLA_TARGET}{X})")
+        vs_sqla = versus(mine, sqla)
+        text += (f" and {ratio(vs_sqla)} prefork with Celery's SQLAlchemy backend on the same "
+                 f"PostgreSQL ({num(sqla['rate'])} tasks/s; target ≥ "
+                 f"{RESULTS_VS_SQLA_TARGET}{X}, {verdict(vs_sqla >= RESULTS_VS_SQLA_TARGET)})")
     m, p = mine["cpu_ms_per_task"], plain["cpu_ms_per_task"]
-    text += (f". A result costs pulse {m['parent'] - p['parent']:+.2f} ms of CPU per task in "
-             f"the worker's parent ({m['parent']:.2f} vs {p['parent']:.2f}), "
-             f"{m['children'] - p['children']:+.2f} ms in the pool children, which write "
-             f"nothing, and {store_cpu(m) - store_cpu(p):+.2f} ms in PostgreSQL: it rides in "
-             f"the completion's statement, one round trip per batch. ")
+    text += (f". Per task, storing the result costs pulse {_delta(m['parent'] - p['parent'])} "
+             f"ms of CPU in the worker's parent ({m['parent']:.2f} vs {p['parent']:.2f}), "
+             f"{_delta(m['children'] - p['children'])} ms in the pool children (they write "
+             f"nothing, but still build and encode the result and hand it to the parent) and "
+             f"{_delta(store_cpu(m) - store_cpu(p))} ms in PostgreSQL: the result rides in the "
+             f"statement that completes the task. ")
     if sqla:
         s_ = sqla["cpu_ms_per_task"]
         text += (f"Prefork with the SQLAlchemy backend spends {s_['children']:.2f} ms per task "
                  f"in its children and {store_cpu(s_):.2f} ms in PostgreSQL: a session, a "
                  f"read and a transaction of its own for every result. ")
-    redis = [r for r in (_find(tp, "prefork-redis", noop), _find(tp, "pulse-redis", noop)) if r]
-    if redis:
-        text += ("With Redis for results (the pool children write them, as in plain Celery): "
-                 + ", ".join(f"{STORE_LABEL[r['variant']]} {num(r['rate'])} tasks/s "
-                             f"({ratio(r['ratio'])} of prefork without results)" for r in redis)
-                 + ". ")
-    work = [r for r in tp["summary"] if r["variant"] in RESULTS and r["ratio"] is not None
-            and r["workload"].startswith("sleep")]
-    if work:
-        text += ("On tasks that do some work: " + ", ".join(
-            f"{STORE_LABEL[r['variant']]} {ratio(r['ratio'])} of prefork "
-            f"({labels[r['workload']]})" for r in work) + ".")
+    others = []
+    prefork_redis = _find(tp, "prefork-redis", noop)
+    if prefork_redis and prefork_redis["ratio"] is not None:
+        others.append(f"prefork {num(prefork_redis['rate'])} tasks/s "
+                      f"({ratio(prefork_redis['ratio'])} of prefork without results)")
+    pulse_redis = _find(tp, "pulse-redis", noop)
+    if pulse_redis:
+        others.append(f"pulse {num(pulse_redis['rate'])} tasks/s "
+                      f"({ratio(versus(pulse_redis, plain))} of pulse without results; "
+                      f"pulse with `pulse://` runs {ratio(versus(mine, pulse_redis))} as fast)")
+    if others:
+        text += ("With Redis for results, written by the pool children as in plain Celery: "
+                 + ", ".join(others) + ". ")
+    for key in (k for k in labels if k.startswith("sleep") and "late" not in k):
+        work = [r for r in (_find(tp, v, key) for v in ("pulse-results", "pulse-redis",
+                                                        "prefork-redis", "prefork-sqla"))
+                if r is not None and r["ratio"] is not None]
+        if not work or work[0]["variant"] != "pulse-results":
+            continue
+        base = _find(tp, "pulse-postgres", key)
+        text += (f"On {labels[key]}, of prefork without results: " + ", ".join(
+            f"{STORE_LABEL[r['variant']]} {ratio(r['ratio'])}" for r in work)
+            + (f" (pulse + `pulse://` is {ratio(versus(work[0], base))} pulse without "
+               f"results)" if base else "") + ". ")
     return text.rstrip()
 
 

@@ -40,6 +40,8 @@ def test_benchmark_quick_mode_runs_and_writes_its_report(tmp_path: Path) -> None
                     "8. MySQL/MariaDB drivers"):
         assert f"## {section}" in page, section
     assert "This section failed" not in page
+    # Issue 17: pulse with result_backend = "pulse://" ran (every result checked in the store).
+    assert "pulse + pulse:// vs pulse without results" in page
     assert page.count("**What this means.**") >= 8
     # Raw results and the plots the page links to.
     results = json.loads((out / "benchmarks.json").read_text())

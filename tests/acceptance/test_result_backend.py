@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,12 +61,17 @@ def test_results_groups_and_chords(stack: tuple[str, str, dict[str, Any]],
                                    make_env: Callable[..., Env],
                                    workers: Callable[..., Worker]) -> None:
     """What a Celery user does with results, on the embedded default and on PostgreSQL
-    + RabbitMQ: get, failures with their traceback, groups, a chord, forget."""
+    + RabbitMQ: get, the extended fields, failures with their traceback, groups, a
+    chord, forget."""
     store_url, broker_url, conf = stack
-    env = make_env(store_url, broker_url, {**conf, "result_backend": "pulse://"})
+    env = make_env(store_url, broker_url, {**conf, "result_backend": "pulse://",
+                                           "result_extended": True})
     w = workers(env, "results@%h", concurrency=2).wait_ready()
     with client(env) as app:
-        assert app.send_task("pulseapp.add", (2, 3)).get(timeout=30) == 5
+        added = app.send_task("pulseapp.add", (2, 3))
+        assert added.get(timeout=30) == 5
+        assert (added.name, added.args, added.worker) == ("pulseapp.add", [2, 3], w.name
+                                                          .replace("%h", socket.gethostname()))
         failed = app.send_task("pulseapp.fail", ("boom",))
         with pytest.raises(ValueError, match="boom"):
             failed.get(timeout=30)
