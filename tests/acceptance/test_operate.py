@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 import sqlalchemy as sa
 
 from tests.helpers.services import IN_CI
@@ -47,7 +48,8 @@ def _get_text(url: str) -> str | None:
 @pytest.fixture
 def ops_env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
     env = make_env(pg_url, rabbitmq_url, {**FAST, "worker_send_task_events": True,
-                                          "task_send_sent_event": True})
+                                          "task_send_sent_event": True,
+                                          "result_backend": "pulse://"})
     env.app = "tests.apps.opsapp"
     return env
 
@@ -117,6 +119,27 @@ def test_flower_shows_pulse_stats_and_lease_lost_failure(
     assert "LeaseLost" in (task.get("exception") or "")
     assert "epoch 1" in (task.get("exception") or "")
     _screenshot(f"{flower}/worker/{name}", ARTIFACTS / "flower-worker.png")
+
+
+def test_flower_reads_results_from_the_pulse_backend(
+        ops_env: Env, flower: str, workers: Callable[..., Worker]) -> None:
+    """Flower's result API resolves ``pulse://`` from the app's settings alone."""
+    workers(ops_env, "flr@%h", extra=("-E",)).wait_ready()
+    client = Celery("flower-results-client", broker=ops_env.broker_url, backend="pulse://",
+                    set_as_current=False)
+    client.conf.update(pulse_store_url=ops_env.store_url, task_default_queue=ops_env.queue)
+    try:
+        result = client.send_task("opsapp.hold", args=[0, str(ops_env.tmp / "r.txt")])
+        assert result.get(timeout=30) == "done"
+    finally:
+        client.close()
+
+    def shown() -> dict[str, Any] | None:
+        data = _get_json(f"{flower}/api/task/result/{result.id}")
+        return data if data.get("state") == "SUCCESS" else None
+
+    data = wait_for(shown, 30, "Flower to show the task's result", interval=0.5)
+    assert data["result"] == "done"
 
 
 def _screenshot(url: str, path: Path) -> None:
