@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
 import sqlalchemy as sa
+from celery import Celery
 
 from tests.helpers.services import IN_CI
 from tests.helpers.workers import ROOT, Env, Worker, wait_for
