@@ -253,6 +253,11 @@ class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
             while True:
                 meta = self.get_task_meta(task_id)
                 if meta["status"] in states.READY_STATES:
+                    if on_interval:
+                        # A parent's error (a chord header's) is raised first, as Celery's
+                        # async backends raise it: the chord's ChordError may be written
+                        # before the waiter wakes.
+                        on_interval()
                     return meta
                 if on_interval:
                     on_interval()
