@@ -208,6 +208,27 @@ class Refusal:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Permit:
+    """One of the cluster-wide concurrency permits a start needs: at most ``limit``
+    claims hold ``key`` while ``running``, across every worker of the store."""
+
+    key: str
+    limit: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PermitUsage:
+    """A concurrency limit as the store sees it now."""
+
+    key: str
+    limit: int
+    #: Running claims holding the permit.
+    running: int
+    #: Reserved claims whose start was refused for want of it (they wait in a worker).
+    waiting: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ResultRecord:
     """A value for the result backend's table, written with a fenced completion."""
 
@@ -281,6 +302,8 @@ class Exchanged:
     #: (:attr:`ResultRecord.counter`): the counter's value once this one counted, and the
     #: nonce the counter got when it was created (a new one per run of a chord).
     counted: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    #: Starts not made for want of a concurrency permit (still reserved, lease unchanged).
+    waiting: frozenset[str] = frozenset()
 
 
 class ClaimStore(abc.ABC):
@@ -288,19 +311,23 @@ class ClaimStore(abc.ABC):
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest],
-                 starts: Sequence[tuple[str, int, str]]) -> Exchanged:
+                 starts: Sequence[tuple[str, int, str]],
+                 permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged:
         """A worker's hot path in one call: completions, then reservations, then starts.
 
         The same answers as :meth:`complete`, :meth:`reserve` and :meth:`start_many`
         called in that order (a retry's completion re-opens the claim before its next
-        delivery is reserved). A store may send them in one round trip and one
-        transaction; if it raises, none of them is known to have taken effect (a
-        completion sent again is answered ``duplicate``).
+        delivery is reserved; a completion frees its permits before the starts take
+        theirs). A store may send them in one round trip and one transaction; if it
+        raises, none of them is known to have taken effect (a completion sent again is
+        answered ``duplicate``).
         """
         counted: dict[str, tuple[int, str]] = {}
+        waiting: set[str] = set()
         return Exchanged(self.complete(holder, completions, counted) if completions else {},
                          self.reserve(holder, reserves, ttl) if reserves else [],
-                         self.start_many(holder, starts, ttl) if starts else {}, counted)
+                         self.start_many(holder, starts, ttl, permits, waiting) if starts
+                         else {}, counted, frozenset(waiting))
 
     @abc.abstractmethod
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
@@ -324,14 +351,29 @@ class ClaimStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
-                   ) -> dict[str, float]:
+    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float,
+                   permits: Mapping[str, Sequence[Permit]] | None = None,
+                   waiting: set[str] | None = None) -> dict[str, float]:
         """Move live reservations to ``running`` in one statement (group commit).
 
         Returns ``task_id -> new lease_until`` for those that moved. One moves only if
         (epoch, token) are current, the state is ``reserved`` and the lease has not
         expired by the store clock; the others are refused (absent from the result).
+
+        A lease with ``permits[task_id]`` also needs each of them: it moves only if,
+        for every permit, fewer than ``limit`` claims hold its key ``running``, judged
+        under a lock on the key, so that concurrent starts on any number of workers
+        never exceed a limit (starts of one call are granted in the order given). One
+        that finds no room stays ``reserved``, its lease unchanged, and its task id goes
+        into ``waiting``. A claim holds its permits exactly as long as it is ``running``
+        under the epoch that took them: the statement that ends that (a completion, a
+        release, a requeue, Recover's takeover, a new reservation) gives them back, and
+        nothing else can, so a permit is never given back twice.
         """
+
+    def permit_usage(self) -> list[PermitUsage]:
+        """Every concurrency limit the store has seen a start ask for, ordered by key."""
+        return []
 
     def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
         """:meth:`start_many` for one lease: the new lease_until, or None if refused."""

@@ -43,12 +43,14 @@ from celery_pulse.store.base import (
     Grant,
     Heartbeat,
     LeaderGrant,
+    Permit,
     Refusal,
     Registration,
     ReserveRequest,
     ScheduleRow,
     Slot,
 )
+from celery_pulse.store.sql import permits as _permits
 from celery_pulse.store.sql.errors import mysql_code, translated
 from celery_pulse.store.sql.store import (
     _CHUNK,
@@ -306,11 +308,13 @@ class MySqlStore(SqlStore):
                        self._lease_key(leases), claims.c.holder == holder,
                        claims.c.state.in_(states), claims.c.lease_until > self._now)
 
-    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
-                   ) -> dict[str, float]:
+    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float,
+                   permits: Mapping[str, Sequence[Permit]] | None = None,
+                   waiting: set[str] | None = None) -> dict[str, float]:
         now = self._now
-        started: dict[str, float] = {}
-        unique = list(dict.fromkeys(tuple(lease) for lease in leases))
+        limited, unique = _permits.as_needs(permits, list(dict.fromkeys(
+            (lease[0], lease[1], lease[2]) for lease in leases)))
+        started = self._start_limited(holder, limited, ttl, permits or {}, waiting)
         for i in range(0, len(unique), _CHUNK):
             chunk: list[Any] = unique[i:i + _CHUNK]
 
@@ -422,6 +426,7 @@ class MySqlStore(SqlStore):
                 .with_dialect_options(mysql_limit=limit)).rowcount
             conn.execute(sa.delete(evidence).where(evidence.c.recorded_at < now - older_than)
                          .with_dialect_options(mysql_limit=limit))
+            _permits.purge(conn, self.dialect, older_than, limit)
             return int(deleted)
 
         deleted = self._atomic("purge", body)

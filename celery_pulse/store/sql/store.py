@@ -47,6 +47,8 @@ from celery_pulse.store.base import (
     LeaderGrant,
     LeaderInfo,
     Message,
+    Permit,
+    PermitUsage,
     Recovered,
     Refusal,
     Registration,
@@ -59,6 +61,7 @@ from celery_pulse.store.base import (
     WorkerInfo,
 )
 from celery_pulse.store.sql import migrate
+from celery_pulse.store.sql import permits as _permits
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import make_engine
 from celery_pulse.store.sql.errors import translated
@@ -430,7 +433,8 @@ class SqlStore(Store):
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest],
-                 starts: Sequence[tuple[str, int, str]]) -> Exchanged:
+                 starts: Sequence[tuple[str, int, str]],
+                 permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged:
         """On PostgreSQL: the three statements in one pipeline (see :mod:`.pipeline`).
 
         A task id twice in one kind, or a batch over the chunk size, takes the general
@@ -440,9 +444,11 @@ class SqlStore(Store):
                [lease[0] for lease in starts])
         if self._pipeline is None or not any(ids) or any(
                 len(kind) > _CHUNK or len(set(kind)) < len(kind) for kind in ids) or any(
-                c.result is not None and c.result.counter is not None for c in completions):
-            # (A chord part's counter is counted in a transaction of its own: rare.)
-            return super().exchange(holder, ttl, completions, reserves, starts)
+                c.result is not None and c.result.counter is not None for c in completions) or (
+                permits and any(permits.get(lease[0]) for lease in starts)):
+            # (A chord part's counter is counted in a transaction of its own, and starts
+            # that need permits lock their keys in one: rare, or worth it.)
+            return super().exchange(holder, ttl, completions, reserves, starts, permits)
         statements = []
         if completions:
             statements.append(self._complete_statement(completions))
@@ -475,18 +481,44 @@ class SqlStore(Store):
         started = {row[0]: float(row[1]) for row in next(results)} if starts else {}
         return Exchanged(completed, reserved, started)
 
-    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
-                   ) -> dict[str, float]:
+    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float,
+                   permits: Mapping[str, Sequence[Permit]] | None = None,
+                   waiting: set[str] | None = None) -> dict[str, float]:
         # Plain SQL, built once per batch size: run by the worker's committer for every
         # task, right before the pool gets the job.
-        started: dict[str, float] = {}
-        unique = list(dict.fromkeys(tuple(lease) for lease in leases))
+        limited, unique = _permits.as_needs(permits, list(dict.fromkeys(
+            (lease[0], lease[1], lease[2]) for lease in leases)))
+        started = self._start_limited(holder, limited, ttl, permits or {}, waiting)
         for i in range(0, len(unique), _CHUNK):
             chunk: list[Any] = unique[i:i + _CHUNK]
             with translated("start"), self._single() as conn:
                 for row in conn.exec_driver_sql(*self._start_statement(holder, chunk, ttl)):
                     started[row[0]] = float(row[1])
         return started
+
+    def _start_limited(self, holder: str, leases: list[tuple[str, int, str]], ttl: float,
+                       needs: Mapping[str, Sequence[Permit]], waiting: set[str] | None
+                       ) -> dict[str, float]:
+        """Starts that need permits: one transaction per chunk, their keys locked."""
+        started: dict[str, float] = {}
+        for i in range(0, len(leases), _CHUNK):
+            chunk = leases[i:i + _CHUNK]
+            moved, wait = self._atomic("start", functools.partial(
+                _permits.start, dialect=self.dialect, holder=holder, leases=chunk, ttl=ttl,
+                needs=needs))
+            started.update(moved)
+            if waiting is not None:
+                waiting.update(wait)
+        return started
+
+    def _atomic(self, where: str, body: Callable[[sa.Connection], T]) -> T:
+        """Run ``body`` in one transaction (MySQL's runs it again after a deadlock)."""
+        with translated(where), self.engine.begin() as conn:
+            return body(conn)
+
+    def permit_usage(self) -> list[PermitUsage]:
+        with translated("permit usage"), self._read() as conn:
+            return _permits.usage(conn, self.dialect)
 
     def _start_statement(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
                          ) -> tuple[str, tuple[Any, ...]]:
@@ -692,6 +724,7 @@ class SqlStore(Store):
         with translated("purge"), self.engine.begin() as conn:
             deleted = conn.execute(sa.delete(claims).where(claims.c.task_id.in_(ids))).rowcount
             conn.execute(sa.delete(evidence).where(evidence.c.id.in_(old_evidence)))
+            _permits.purge(conn, self.dialect, older_than, limit)
         self._results().purge_expired(limit)
         return deleted
 

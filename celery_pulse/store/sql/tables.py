@@ -181,3 +181,29 @@ results = sa.Table(
              sqlite_where=sa.text("expires_at IS NOT NULL")),
     **TABLE_OPTIONS,
 )
+
+#: Cluster-wide concurrency limits seen by a start: the row a start locks to count the
+#: key's holders (``max_running`` is the limit the latest start asked for).
+permits = sa.Table(
+    "pulse_permits",
+    metadata,
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("max_running", sa.Integer, nullable=False),
+    sa.Column("updated_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
+)
+
+#: Which claim asked for which permit, under which epoch. A row *holds* its permit
+#: while its claim is ``running`` under that epoch, and *waits* for it while the claim
+#: is ``reserved`` under it: every statement that moves a claim on gives the permit
+#: back by itself, so a permit is never given back twice. Rows of past epochs are
+#: dropped by the next start of their key and by retention.
+permit_holds = sa.Table(
+    "pulse_permit_holds",
+    metadata,
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("task_id", sa.String(255), primary_key=True),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Index("ix_pulse_permit_holds_task", "task_id"),
+    **TABLE_OPTIONS,
+)

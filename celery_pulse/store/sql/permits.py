@@ -1,0 +1,155 @@
+"""Cluster-wide concurrency permits in SQL (the contract is ``ClaimStore.start_many``).
+
+A permit is not a counter: a claim holds one while it is ``running`` under the epoch
+that took it (a row of ``pulse_permit_holds``). Every statement that moves a claim on
+(a completion, a release, a requeue, Recover's takeover, a new reservation) therefore
+gives its permits back by itself, in its own transaction, and nothing can give one back
+twice. Taking one locks the key's row of ``pulse_permits`` and counts the key's
+holders: starts of one key are serialised across workers, starts of other keys and
+every other statement are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, Permit, PermitUsage
+from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.tables import claims, permit_holds, permits
+
+#: The claim a hold row belongs to, under the epoch that asked for the permit.
+_SAME_ATTEMPT = sa.and_(claims.c.task_id == permit_holds.c.task_id,
+                        claims.c.epoch == permit_holds.c.epoch)
+
+
+def lock_keys(conn: sa.Connection, dialect: Dialect, limits: Mapping[str, int]) -> None:
+    """Create or lock each key's row, in key order (two starts never deadlock)."""
+    now = dialect.now()
+    for key in sorted(limits):
+        stmt = dialect.insert(permits).values(key=key, max_running=limits[key], updated_at=now)
+        if dialect.is_mysql:
+            stmt = stmt.on_duplicate_key_update(max_running=stmt.inserted.max_running,
+                                                updated_at=stmt.inserted.updated_at)
+        else:
+            stmt = stmt.on_conflict_do_update(
+                index_elements=[permits.c.key],
+                set_={"max_running": stmt.excluded.max_running,
+                      "updated_at": stmt.excluded.updated_at})
+        conn.execute(stmt)
+
+
+def holders(conn: sa.Connection, keys: Sequence[str]) -> dict[str, int]:
+    """How many running claims hold each key now."""
+    rows = conn.execute(
+        sa.select(permit_holds.c.key, sa.func.count())
+        .select_from(permit_holds.join(claims, _SAME_ATTEMPT))
+        .where(permit_holds.c.key.in_(list(keys)), claims.c.state == RUNNING)
+        .group_by(permit_holds.c.key))
+    return {key: int(count) for key, count in rows}
+
+
+def drop_past(conn: sa.Connection, keys: Sequence[str] | None = None, limit: int = 500) -> int:
+    """Forget rows whose claim moved on from the epoch that asked (they hold nothing)."""
+    live = sa.exists().where(_SAME_ATTEMPT, claims.c.state.in_(LIVE_STATES))
+    if keys is not None:  # the keys' rows are locked by the caller: few, recent
+        return int(conn.execute(sa.delete(permit_holds).where(
+            permit_holds.c.key.in_(list(keys)), ~live)).rowcount)
+    past = list(conn.execute(sa.select(permit_holds.c.key, permit_holds.c.task_id)
+                             .where(~live).limit(limit)))
+    if not past:
+        return 0
+    return int(conn.execute(sa.delete(permit_holds).where(
+        sa.tuple_(permit_holds.c.key, permit_holds.c.task_id).in_(
+            [tuple(row) for row in past]))).rowcount)
+
+
+def start(conn: sa.Connection, dialect: Dialect, holder: str,
+          leases: Sequence[tuple[str, int, str]], ttl: float,
+          needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
+    """Start the leases that find room under every permit they need, in order.
+
+    Returns ``(task_id -> lease_until, waiting task ids)``; the leases that are not live
+    reservations of ``holder`` are in neither.
+    """
+    now = dialect.now()
+    wanted = {lease[0]: {p.key: p for p in needs[lease[0]]} for lease in leases}
+    limits = {key: p.limit for keyed in wanted.values() for key, p in keyed.items()}
+    lock_keys(conn, dialect, limits)
+    drop_past(conn, list(limits))
+    used = holders(conn, list(limits))
+    live = {(task_id, int(epoch)) for task_id, epoch in conn.execute(
+        sa.select(claims.c.task_id, claims.c.epoch).where(
+            claims.c.task_id.in_(list(wanted)),
+            sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
+                [tuple(lease) for lease in leases]),
+            claims.c.holder == holder, claims.c.state == RESERVED,
+            claims.c.lease_until > now).with_for_update())}
+    granted: list[tuple[str, int, str]] = []
+    waiting: list[tuple[str, int, str]] = []
+    for lease in leases:
+        if (lease[0], lease[1]) not in live:
+            continue
+        keyed = wanted[lease[0]]
+        if all(used.get(key, 0) < p.limit for key, p in keyed.items()):
+            for key in keyed:
+                used[key] = used.get(key, 0) + 1
+            granted.append(lease)
+        else:
+            waiting.append(lease)
+    started: dict[str, float] = {}
+    if granted:
+        ids = [lease[0] for lease in granted]
+        conn.execute(sa.update(claims).where(claims.c.task_id.in_(ids)).values(
+            state=RUNNING, started_at=now, lease_until=now + ttl))
+        started = {task_id: float(until) for task_id, until in conn.execute(
+            sa.select(claims.c.task_id, claims.c.lease_until).where(claims.c.task_id.in_(ids)))}
+    asked = granted + waiting
+    if asked:
+        conn.execute(sa.delete(permit_holds).where(
+            permit_holds.c.task_id.in_([lease[0] for lease in asked])))
+        conn.execute(sa.insert(permit_holds), [
+            {"key": key, "task_id": lease[0], "epoch": lease[1]}
+            for lease in asked for key in wanted[lease[0]]])
+    return started, {lease[0] for lease in waiting}
+
+
+def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:
+    """Every key with its limit, its holders, and the live reservations waiting for it."""
+    now = dialect.now()
+    counts: dict[tuple[str, str], int] = {}
+    for key, state, count in conn.execute(
+            sa.select(permit_holds.c.key, claims.c.state, sa.func.count())
+            .select_from(permit_holds.join(claims, _SAME_ATTEMPT))
+            .where(sa.or_(claims.c.state == RUNNING,
+                          sa.and_(claims.c.state == RESERVED, claims.c.lease_until > now)))
+            .group_by(permit_holds.c.key, claims.c.state)):
+        counts[(key, state)] = int(count)
+    return [PermitUsage(key, int(limit), counts.get((key, RUNNING), 0),
+                        counts.get((key, RESERVED), 0))
+            for key, limit in conn.execute(
+                sa.select(permits.c.key, permits.c.max_running).order_by(permits.c.key))]
+
+
+def purge(conn: sa.Connection, dialect: Dialect, older_than: float, limit: int = 500) -> int:
+    """Retention: past hold rows, and keys nobody asked for in ``older_than`` seconds."""
+    dropped = drop_past(conn, None, limit)
+    idle = list(conn.execute(
+        sa.select(permits.c.key).where(
+            permits.c.updated_at < dialect.now() - older_than,
+            ~sa.exists().where(permit_holds.c.key == permits.c.key)).limit(limit)).scalars())
+    if idle:
+        conn.execute(sa.delete(permits).where(permits.c.key.in_(idle)))
+    return dropped
+
+
+def as_needs(permits_by_task: Mapping[str, Sequence[Permit]] | None,
+             leases: Sequence[tuple[str, int, str]]) -> tuple[list[Any], list[Any]]:
+    """Split ``leases`` into those that need permits and the others."""
+    if not permits_by_task:
+        return [], list(leases)
+    limited = [lease for lease in leases if permits_by_task.get(lease[0])]
+    plain = [lease for lease in leases if not permits_by_task.get(lease[0])]
+    return limited, plain
