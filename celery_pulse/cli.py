@@ -220,6 +220,7 @@ def _status_payload(ctx: click.Context, store: SqlStore) -> dict[str, Any]:
             "workers_alive": sum(r["alive"] for r in rows),
             "workers_dead": sum(not r["alive"] for r in rows),
             "leader": leader, "schedule": has_schedule, "claims": claims,
+            "permits": [dataclasses.asdict(u) for u in store.permit_usage()],
             "needs_attention": problems}
 
 
@@ -238,6 +239,10 @@ def _print_status(payload: dict[str, Any]) -> None:
     click.echo(f"claims: {c['running']} running, {c['reserved']} reserved, {c['open']} "
                f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
                f"succeeded, {c['failed']} failed, {c['revoked']} revoked")
+    for permit in payload["permits"]:
+        if permit["running"] or permit["waiting"]:
+            click.echo(f"permits {permit['key']}: {permit['running']} of {permit['limit']} "
+                       f"running, {permit['waiting']} waiting")
     review_line = f"needs review: {c['needs_review']}"
     click.echo(click.style(review_line, fg="red") if c["needs_review"] else review_line)
     for problem in payload["needs_attention"]:

@@ -33,6 +33,7 @@ from celery_pulse.store.base import (
     ClaimStore,
     Completion,
     Grant,
+    Permit,
     Refusal,
     ReserveRequest,
     ResultRecord,
@@ -42,6 +43,9 @@ from celery_pulse.store.base import (
 logger = logging.getLogger(__name__)
 
 RESERVED, RUNNING, LOST = "reserved", "running", "lost"
+#: A start's answer when the store found no free concurrency permit for it: the claim is
+#: still reserved and its lease unchanged (neither True, started, nor False, refused).
+WAITING = "waiting"
 #: How long a lost, never-started claim stays in the table (for the intake's duplicate
 #: check only: the adapter binds each claim to its request, so a late request still
 #: finds its lost claim and is dropped however long it waited).
@@ -103,6 +107,10 @@ class LocalClaim:
     result: ResultRecord | None = None
     #: Opaque adapter data of a chord part (its request), for when its count comes back.
     chord_part: Any = None
+    #: The cluster-wide concurrency permits its start needs (None: not decided yet).
+    permits: tuple[Permit, ...] | None = None
+    #: When its start first found no free permit (monotonic), while it waits for one.
+    parked_at: float | None = None
     #: Opaque adapter data (the Celery request, the captured message, its verdict).
     request: Any = None
     message: Any = None
@@ -168,7 +176,7 @@ ReserveCallback = Callable[[Grant | Refusal | PulseError, float], None]
 #: ``callback(answer, counted)``: ``counted`` is the completion's count, for one that
 #: added to a counter (:attr:`Exchanged.counted`), else None.
 CompleteCallback = Callable[[str | PulseError, tuple[int, str] | None], None]
-StartCallback = Callable[[bool | PulseError], None]
+StartCallback = Callable[[bool | str | PulseError], None]
 
 
 class LeaseKeeper:
@@ -366,7 +374,8 @@ class LeaseKeeper:
         ``urgent``: its job is about to go to the pool and a process waits for it; a
         start ahead of the pool may linger for company. ``callback(result)`` runs on the
         commit thread: True (running: hand the job over), False (refused or lost
-        meanwhile: never run it) or the store error.
+        meanwhile: never run it), :data:`WAITING` (no free concurrency permit for
+        ``claim.permits``: still reserved) or the store error.
         """
         self._ops.put(("start", claim, callback, urgent))
 
@@ -389,6 +398,19 @@ class LeaseKeeper:
         completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error,
                                 claim.result)
         self._ops.put(("complete", completion, callback, False))
+
+    def start_now(self, claim: LocalClaim) -> bool | str | PulseError:
+        """Synchronous start (for event loops without a hub): as ``submit_start``'s answer."""
+        sent = self.monotonic()
+        waiting: set[str] = set()
+        try:
+            started = self.store.start_many(self.holder, [claim.key], self.ttl,
+                                            {claim.task_id: claim.permits or ()}, waiting)
+        except PulseError as exc:
+            return exc
+        if claim.task_id in started:
+            return self.mark_running(claim, sent)
+        return WAITING if claim.task_id in waiting else False
 
     def reserve_now(self, requests: Sequence[ReserveRequest]) -> tuple[list[Grant | Refusal], float]:
         """Synchronous reservation (for event loops without a hub)."""
@@ -489,8 +511,10 @@ class LeaseKeeper:
         self.counters.exchanges += 1
         self.counters.exchanged_ops += len(completes) + len(reserves) + len(starts)
         try:
+            permits = {c.task_id: c.permits for c in claims if c.permits}
             done = self.store.exchange(self.holder, self.ttl, [op[1] for op in completes],
-                                       [op[1] for op in reserves], [c.key for c in claims])
+                                       [op[1] for op in reserves], [c.key for c in claims],
+                                       permits or None)
         except Exception as exc:
             failure = exc if isinstance(exc, PulseError) else StoreUnavailable(
                 f"exchange failed: {exc!r}")
@@ -506,8 +530,9 @@ class LeaseKeeper:
         with self._lock:
             self._unsettled.update((g.task_id, g) for g in done.reserved if isinstance(g, Grant))
         self._answer(reserves, done.reserved, sent)
-        self._answer(starts, [c.task_id in done.started and (
-            c.start_in_background or self.mark_running(c, sent)) for c in claims])
+        self._answer(starts, [WAITING if c.task_id in done.waiting else (
+            c.task_id in done.started and (c.start_in_background or self.mark_running(c, sent)))
+            for c in claims])
         return None
 
     @staticmethod

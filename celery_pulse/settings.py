@@ -95,6 +95,19 @@ class Settings:
                                  "0 = off.", "0 (off)"))
     store_connect_timeout: float = dataclasses.field(
         default=10.0, metadata=_doc("How long startup waits for an unreachable store.", "10 s"))
+    concurrency_limits: Mapping[str, int] = dataclasses.field(
+        default_factory=dict,
+        metadata=_doc("Cluster-wide concurrency limits: at most N tasks of a name "
+                      "(`\"proj.tasks.charge\": 5`) or of a queue (`\"queue:payments\": 20`, "
+                      "by the delivery's routing key) run at once across every worker of "
+                      "the store. Overrides the tasks' `pulse_concurrency`.", "{} (none)"))
+    permit_backlog: int = dataclasses.field(
+        default=256, metadata=_doc("Tasks waiting in a worker for a concurrency permit that do "
+                                   "not count against its prefetch limit (past it they do).",
+                                   "256"))
+    permit_wait_event: float = dataclasses.field(
+        default=60.0, metadata=_doc("Send a `pulse-permit-wait` event for a task that has "
+                                    "waited this long for a concurrency permit.", "60 s"))
 
     def __post_init__(self) -> None:
         # Derived defaults: an interval left at 0 means "a third of its TTL".
@@ -103,6 +116,8 @@ class Settings:
                               ("leader_interval", "leader_ttl")):
             if getattr(self, interval) == 0.0:
                 object.__setattr__(self, interval, getattr(self, ttl) / 3.0)
+        object.__setattr__(self, "concurrency_limits",
+                           _limits("pulse_concurrency_limits", self.concurrency_limits))
         self._validate()
 
     def _validate(self) -> None:
@@ -129,7 +144,10 @@ class Settings:
         if not 0 <= self.metrics_port < 65536:
             raise InvalidConfig("pulse_metrics_port must be a TCP port (0 = off)",
                                 setting="pulse_metrics_port")
-        for name in ("recover_batch", "max_attempts"):
+        if self.permit_wait_event <= 0:
+            raise InvalidConfig("pulse_permit_wait_event must be > 0",
+                                setting="pulse_permit_wait_event")
+        for name in ("recover_batch", "max_attempts", "permit_backlog"):
             if getattr(self, name) < 1:
                 raise InvalidConfig(f"pulse_{name} must be >= 1", setting=f"pulse_{name}")
         if self.beat_catchup not in ("latest", "all"):
@@ -167,8 +185,31 @@ class Settings:
         return cls(**kwargs)
 
 
+def concurrency_limit(key: str, value: Any) -> int:
+    """A concurrency limit as declared: an integer >= 1 (``key`` names the declaration)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidConfig(f"{key}: a concurrency limit must be an integer >= 1, got "
+                            f"{value!r}", setting=key.split("[", 1)[0])
+    return value
+
+
+def _limits(key: str, value: Any) -> dict[str, int]:
+    if not isinstance(value, Mapping):
+        raise InvalidConfig(f"{key}: expected a dict of task names or 'queue:<name>' to "
+                            f"limits, got {value!r}", setting=key)
+    out: dict[str, int] = {}
+    for name, limit in value.items():
+        if not isinstance(name, str) or not name.strip() or name.strip() == "queue:":
+            raise InvalidConfig(f"{key}: {name!r} is neither a task name nor 'queue:<name>'",
+                                setting=key)
+        out[name.strip()] = concurrency_limit(f"{key}[{name!r}]", limit)
+    return out
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     text = str(annotation)
+    if text.startswith("Mapping"):
+        return _limits(key, value)
     try:
         if text == "float":
             if isinstance(value, timedelta):

@@ -64,6 +64,10 @@ RULES: dict[str, Rule] = {
                     {"pulse_on_lost": "retry"}),
     "metrics_port": Rule("a TCP port, 0-65535", {"pulse_metrics_port": 70000}),
     "store_connect_timeout": Rule(_POSITIVE, {"pulse_store_connect_timeout": 0}),
+    "concurrency_limits": Rule("a dict of task names or `queue:<routing key>` to integers >= 1",
+                               {"pulse_concurrency_limits": {"proj.tasks.charge": 0}}),
+    "permit_backlog": Rule("an integer >= 1", {"pulse_permit_backlog": 0}),
+    "permit_wait_event": Rule(_POSITIVE, {"pulse_permit_wait_event": 0}),
 }
 
 #: Per-task options (``@app.task(pulse_...=...)``): not part of Settings.
@@ -75,6 +79,13 @@ TASK_OPTIONS = [
     ("pulse_max_attempts", "an integer >= 1",
      "Reservations this task may consume (every delivery, re-dispatch and retry "
      "counts one) before it is failed.", "the `pulse_max_attempts` setting"),
+    ("pulse_concurrency", "an integer >= 1",
+     "At most this many of this task run at once across every worker of the store "
+     "(a cluster-wide permit, taken when the task starts and given back when it ends); "
+     "the `pulse_concurrency_limits` setting overrides it.", "unlimited"),
+    ("pulse_concurrency_key", "a callable `(args, kwargs) -> str`",
+     "Partitions the limit: each value it returns gets its own `pulse_concurrency` "
+     "permits (e.g. at most 2 syncs per customer). Needs a limit.", "none"),
     ("pulse_idempotent", "a boolean",
      "The task is safe to run again: a lost attempt is re-dispatched like an "
      "`acks_late` task.", "`False`"),

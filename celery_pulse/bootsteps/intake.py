@@ -190,7 +190,11 @@ class Intake:
                 # and stop consuming until there is room again.
                 self.paused_at_limit = True
                 self.pulse.gate.close(PREFETCH_LIMIT)
-            may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None)
+            # A task under a concurrency limit starts only once it has its permits: never
+            # folded into its reservation, nor started ahead of the pool.
+            routing_key = (message.delivery_info or {}).get("routing_key")
+            may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None
+                            and not self.pulse.rules.limited(task, routing_key))
             free = may_wait and self._free_process()
             start = may_wait and bool(self.pulse.ahead.fold(free))
             request = ReserveRequest(task_id, task.name, capture(message), policy,
@@ -324,7 +328,10 @@ class Intake:
         limit = int(self.pulse.prefetch_limit or 0)
         if not limit or headers.get("eta"):
             return False
-        waiting: int = self.keeper.unstarted() + self.pending
+        # Tasks waiting for a concurrency permit don't hold back the others (up to
+        # ``pulse_permit_backlog`` of them).
+        waiting: int = (self.keeper.unstarted() + self.pending
+                        - self.pulse.waiting_for_permits())
         return waiting >= limit
 
     def _reserve_blocking(self, request: ReserveRequest,

@@ -57,7 +57,9 @@ class LoopCaller:
 
     def later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         if self.hub is None:
-            threading.Timer(delay, fn, args).start()
+            timer = threading.Timer(delay, fn, args)
+            timer.daemon = True  # a retry due after exit is moot
+            timer.start()
         else:
             self.call(self.hub.call_later, delay, fn, *args)
 

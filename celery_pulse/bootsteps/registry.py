@@ -83,6 +83,7 @@ class Registry(bootsteps.StartStopStep):
             pool = c.controller.pool
             pool.pulse = pulse
             pulse.ahead.hand_over = pool.hand_over
+            pulse.waits.resume = pool.resume_waiting
             _keep_reservations_across_reconnects(c, pulse)
             pulse.membership.start()
             pulse.start_leases()

@@ -25,6 +25,7 @@ from celery_pulse.bootsteps.chords import ChordFinisher
 from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.intake import Intake
 from celery_pulse.bootsteps.loop import LoopCaller
+from celery_pulse.bootsteps.permits import PermitRules, PermitWaits
 from celery_pulse.bootsteps.publish import republish
 from celery_pulse.bootsteps.schedules import EntrySource, publisher
 from celery_pulse.errors import PulseError
@@ -34,7 +35,14 @@ from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.recover import Recoverer
 from celery_pulse.settings import Settings
-from celery_pulse.store.base import FAILED, NEEDS_REVIEW, REVOKED, LeaderGrant, Recovered
+from celery_pulse.store.base import (
+    FAILED,
+    NEEDS_REVIEW,
+    REVOKED,
+    LeaderGrant,
+    Permit,
+    Recovered,
+)
 from celery_pulse.store.sql import open_store
 
 logger = logging.getLogger(__name__)
@@ -73,7 +81,7 @@ class PulseWorker:
     """
 
     def __init__(self, app: Any, hostname: str, concurrency: int, settings: Settings,
-                 store: Any) -> None:
+                 store: Any, rules: PermitRules | None = None) -> None:
         self.app = app
         self.hostname = hostname
         self.settings = settings
@@ -94,6 +102,11 @@ class PulseWorker:
                                   listener=self)
         self.ahead = StartAhead(self.keeper, lambda: self.loop, concurrency,
                                 lambda *_args: None)
+        #: Cluster-wide concurrency limits, and the tasks of this worker waiting for one
+        #: (``resume`` is the pool's, bound when the consumer starts).
+        self.rules = rules or PermitRules(settings.concurrency_limits)
+        self.waits = PermitWaits(lambda: self.loop, lambda *_args: None, self.emit,
+                                 settings.permit_wait_event)
         child.configure(child.ChildContext(app, settings.store_url, hostname,
                                            settings.lease_ttl, self.table))
         self.elector: LeaderElector | None = None
@@ -199,6 +212,15 @@ class PulseWorker:
         else:
             self.end_unstarted(claim, FAILED, "rejected by Celery before it ran")
 
+    def permits(self, request: Any) -> tuple[Permit, ...]:
+        """The concurrency permits a Celery request needs to start (none: unlimited)."""
+        routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+        return self.rules.needs(request.task, request.args, request.kwargs, routing_key)
+
+    def waiting_for_permits(self) -> int:
+        """Tasks waiting for a permit that don't count against the prefetch limit."""
+        return min(self.waits.count, self.settings.permit_backlog)
+
     def end_unstarted(self, claim: LocalClaim, outcome: str, why: str) -> None:
         """End a claim whose request Celery will never run, so it is never renewed again."""
         logger.info("pulse: task %s epoch %d ends %s: %s", claim.task_id, claim.epoch,
@@ -209,9 +231,12 @@ class PulseWorker:
         """Record the claim's outcome; deliveries waiting for its end look again after."""
         task_id = claim.task_id
         part = claim.chord_part
+        permits = claim.permits if claim.state == RUNNING else None
 
         def done(_answer: Any, counted: tuple[int, str] | None) -> None:
             self.loop.call(self.claim_ended, task_id)
+            if permits:  # given back with the completion: its waiters ask now
+                self.loop.call(self.waits.freed, permits)
             if counted is not None and part is not None and self.chords is not None:
                 self.chords.counted(part, *counted)
 
@@ -358,6 +383,7 @@ class PulseWorker:
                 "expires_in": round(membership.expires_in, 3)},
             "consuming": self.gate.is_open if self.gate else None,
             "paused_for": sorted(self.gate.reasons) if self.gate else [],
+            "permits": {"waiting": self.waits.count, "by_key": self.waits.by_key()},
             "leases": {"held": sum(c.state != LOST for c in held),
                        "running": sum(c.state == RUNNING for c in held),
                        "reserved": sum(c.state == RESERVED for c in held),
@@ -414,6 +440,7 @@ class Runtime(bootsteps.StartStopStep):
     def create(self, w: Any) -> Any:
         try:
             settings = Settings.from_conf(w.app.conf)
+            rules = PermitRules.for_app(w.app, settings.concurrency_limits)
             store = open_store(settings.store_url, settings.store_connect_timeout)
         except PulseError as exc:
             # Logging may not be set up yet: one plain line on stderr, no traceback.
@@ -424,7 +451,7 @@ class Runtime(bootsteps.StartStopStep):
                            "pulse_beat is on: every slot may fire twice. Drop -B; pulse's "
                            "leader-elected beat already runs in every -P pulse worker.")
         _short_redis_visibility(w.app, settings)
-        w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store)
+        w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store, rules)
         return self
 
     def start(self, w: Any) -> None:

@@ -33,7 +33,7 @@ from celery.worker import state as worker_state
 
 from celery_pulse.bootsteps.intake import bound_claim
 from celery_pulse.errors import LeaseLost, PulseError
-from celery_pulse.leases import LOST, RUNNING, LocalClaim
+from celery_pulse.leases import LOST, RUNNING, WAITING, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
 
@@ -77,11 +77,15 @@ class TaskPool(prefork.TaskPool):
             self._release_permit()
             return None
         claim.request = request
+        if claim.permits is None:
+            claim.permits = pulse.permits(request)
         options["accept_callback"] = self._on_accepted(claim, options.get("accept_callback"))
         options["callback"] = self._on_result(claim, callback)
         options["error_callback"] = self._on_error(claim, options.get("error_callback"))
         job = (target, args, kwargs, options)
         if pulse.loop.hub is None:
+            if claim.permits:  # the parent takes its permits (it may have to wait)
+                return self._started(claim, job, pulse.keeper.start_now(claim))
             # Celery's synchronous loop (no hub) hands jobs over whether or not a process
             # is free, so here the child itself authorises the start before the body.
             return self._started(claim, job, True, start_in_child=True)
@@ -92,7 +96,8 @@ class TaskPool(prefork.TaskPool):
         if claim.starting:
             claim.waiting_job = job  # its start ahead answers (``hand_over``)
             return None
-        if claim.start_in_background and pulse.keeper.start_in_background(claim):
+        if (claim.start_in_background and not claim.permits
+                and pulse.keeper.start_in_background(claim)):
             return self._started(claim, job, True)
         # Celery calls us only with a pool process free for the job (its semaphore), so
         # this is the moment to authorise the start: in the next group commit, and the
@@ -106,15 +111,25 @@ class TaskPool(prefork.TaskPool):
             self._started, claim, job, result))
 
     def _started(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
-                 result: bool | PulseError, start_in_child: bool = False) -> Any:
+                 result: bool | str | PulseError, start_in_child: bool = False) -> Any:
         """On the loop: hand the job to a pool process, or drop it if the start failed."""
         target, args, kwargs, options = job
         if isinstance(result, PulseError) and self.pulse.keeper.is_live(claim):
             logger.warning("pulse: starting task %s failed, retrying: %s", claim.task_id, result)
+            self._release_permit()  # a pool process is not kept waiting for the store
             self.pulse.loop.later(0.2, self._retry_start, claim, job)
+            return None
+        if result == WAITING:
+            # No free concurrency permit: the process goes back to other work, the task
+            # waits (reserved, renewed) until one frees.
+            self._release_permit()
+            self.pulse.waits.settled(claim, job, "waiting")
+            self.pulse.admit_waiting()
             return None
         if result is True and (claim.state == LOST or not self.pulse.keeper.is_live(claim)):
             result = False  # lost between the start's commit and now: never hand it over
+        if claim.permits:
+            self.pulse.waits.settled(claim, job, "started" if result is True else "gone")
         if result is not True:
             why = ("the store refused the start, or the lease was lost" if result is False
                    else f"the store could not be reached to start it: {result}")
@@ -147,10 +162,37 @@ class TaskPool(prefork.TaskPool):
         return self._started(claim, job, result)
 
     def _retry_start(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]]) -> None:
+        """Ask for the start again (after a store error, or when a permit may be free):
+        with a pool process, which Celery's semaphore gives when one is free."""
         if claim.state == LOST or not self.pulse.keeper.is_live(claim):
-            self._started(claim, job, False)
+            self._abandon(claim, job, "lease lost before the task started")
             return
-        self._submit_start(claim, job)
+        request = claim.request
+        if request is not None and request.revoked():  # Celery marked it revoked/expired
+            if claim.permits:
+                self.pulse.waits.settled(claim, job, "gone")
+            self.pulse.complete(claim, REVOKED, "revoked or expired before it ran")
+            return
+        if self.pulse.stopping:
+            return  # never started: released at shutdown
+        if self.pulse.loop.hub is None:
+            self._started(claim, job, self.pulse.keeper.start_now(claim))
+            return
+        semaphore = self.options.get("semaphore")
+        if semaphore is None:
+            self._submit_start(claim, job)
+        else:
+            semaphore.acquire(self._submit_start, claim, job)
+
+    #: A task that waited for a concurrency permit asks for its start again.
+    resume_waiting = _retry_start
+
+    def _abandon(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
+                 why: str) -> None:
+        """Drop a job that holds no pool process (it waits for a retry or a permit)."""
+        if claim.permits:
+            self.pulse.waits.settled(claim, job, "gone")
+        self._drop(claim, claim.request, why)
 
     # -- callbacks (run on the consumer loop) ---------------------------------------------
     def _on_accepted(self, claim: LocalClaim, original: Any) -> Any:

@@ -115,7 +115,8 @@ class Spy:
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest],
-                 starts: Sequence[tuple[str, int, str]]) -> Exchanged:
+                 starts: Sequence[tuple[str, int, str]],
+                 permits: Any = None) -> Exchanged:
         self.calls.append(([c.task_id for c in completions], [r.task_id for r in reserves],
                            [s[0] for s in starts]))
         if len(self.calls) == 1:
