@@ -19,15 +19,17 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery_pulse.bootsteps.loop import LoopCaller
-from celery_pulse.errors import InvalidConfig
+from celery_pulse.errors import InvalidConfig, PulseError
 from celery_pulse.leases import LocalClaim
 from celery_pulse.settings import concurrency_limit
-from celery_pulse.store.base import Permit
+from celery_pulse.store.base import ClaimStore, Permit
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ MAX_RETRY = 1.0
 #: Longest permit key kept as is (the store's column is 255 characters).
 MAX_KEY = 200
 QUEUE_PREFIX = "queue:"
+#: Seconds the signal thread waits for an announcement before sending its own.
+SIGNAL_POLL = 0.05
 
 
 def _key(text: str) -> str:
@@ -52,6 +56,8 @@ class PermitRules:
         self.tasks = {k: v for k, v in limits.items() if not k.startswith(QUEUE_PREFIX)}
         self.queues = {k[len(QUEUE_PREFIX):]: v for k, v in limits.items()
                        if k.startswith(QUEUE_PREFIX)}
+        #: Some limit is declared (by the setting or a task's option).
+        self.declared = bool(limits)
 
     @classmethod
     def for_app(cls, app: Any, limits: Mapping[str, int]) -> PermitRules:
@@ -65,6 +71,7 @@ class PermitRules:
         option = getattr(task, "pulse_concurrency", None)
         if option is not None:
             concurrency_limit(f"pulse_concurrency of task {name}", option)
+            self.declared = True
         keyer = getattr(task, "pulse_concurrency_key", None)
         if keyer is not None:
             if not callable(keyer):
@@ -177,9 +184,9 @@ class PermitWaits:
         group.delay = FIRST_RETRY
         self._next(keys)  # a permit was free: maybe another one too
 
-    def freed(self, permits: tuple[Permit, ...]) -> None:
-        """A task of this worker holding ``permits`` ended: its waiters ask again now."""
-        freed = {p.key for p in permits}
+    def freed(self, freed: set[str]) -> None:
+        """Permits of these keys were given back (by a task of this worker that ended, or
+        announced by another worker): their waiters ask again now."""
         for keys, group in list(self.groups.items()):
             if freed.intersection(keys):
                 group.delay = FIRST_RETRY
@@ -221,3 +228,58 @@ class PermitWaits:
                                claim.task_id, waited, ", ".join(p.key for p in claim.permits or ()))
                 self.emit("pulse-permit-wait", uuid=claim.task_id, waited=waited,
                           permits=[p.key for p in claim.permits or ()])
+
+
+class PermitSignals:
+    """Tells the other workers when this one gives permits back, and hears when they do
+    (PostgreSQL's NOTIFY; without it, waiting tasks only poll). A thread of its own: a
+    hint that wakes waiters at once instead of at their next retry, never a grant."""
+
+    def __init__(self, store: ClaimStore, on_freed: Callable[[set[str]], None]) -> None:
+        self.store = store
+        self.on_freed = on_freed
+        self._out: queue.SimpleQueue[tuple[str, ...]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.store.permit_signals() is None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pulse-permits", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def announce(self, permits: tuple[Permit, ...]) -> None:
+        if self._thread is not None:
+            self._out.put(tuple(p.key for p in permits))
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            channel = self.store.permit_signals()
+            if channel is None:
+                return
+            try:
+                with channel as signals:
+                    backoff = 0.5
+                    while not self._stop.is_set():
+                        keys: set[str] = set()
+                        while not self._out.empty():
+                            keys.update(self._out.get_nowait())
+                        if keys:
+                            signals.send(sorted(keys))
+                        heard = signals.receive(SIGNAL_POLL)
+                        if heard:
+                            self.on_freed(heard)
+            except PulseError as exc:
+                logger.warning("pulse: permit signals unavailable (%s): waiting tasks poll", exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            except Exception:
+                logger.exception("pulse: permit signals failed")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)

@@ -25,7 +25,7 @@ from celery_pulse.bootsteps.chords import ChordFinisher
 from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.intake import Intake
 from celery_pulse.bootsteps.loop import LoopCaller
-from celery_pulse.bootsteps.permits import PermitRules, PermitWaits
+from celery_pulse.bootsteps.permits import PermitRules, PermitSignals, PermitWaits
 from celery_pulse.bootsteps.publish import republish
 from celery_pulse.bootsteps.schedules import EntrySource, publisher
 from celery_pulse.errors import PulseError
@@ -107,6 +107,7 @@ class PulseWorker:
         self.rules = rules or PermitRules(settings.concurrency_limits)
         self.waits = PermitWaits(lambda: self.loop, lambda *_args: None, self.emit,
                                  settings.permit_wait_event)
+        self.signals = PermitSignals(store, lambda keys: self.loop.call(self.waits.freed, keys))
         child.configure(child.ChildContext(app, settings.store_url, hostname,
                                            settings.lease_ttl, self.table))
         self.elector: LeaderElector | None = None
@@ -150,6 +151,8 @@ class PulseWorker:
         # wait Python's default 5 ms GIL switch interval behind the consumer loop.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
         self.keeper.start()
+        if self.rules.declared:
+            self.signals.start()
         if self.chords is not None:
             self.chords.start()
         self.recoverer.start()
@@ -236,7 +239,8 @@ class PulseWorker:
         def done(_answer: Any, counted: tuple[int, str] | None) -> None:
             self.loop.call(self.claim_ended, task_id)
             if permits:  # given back with the completion: its waiters ask now
-                self.loop.call(self.waits.freed, permits)
+                self.loop.call(self.waits.freed, {p.key for p in permits})
+                self.signals.announce(permits)
             if counted is not None and part is not None and self.chords is not None:
                 self.chords.counted(part, *counted)
 
@@ -274,6 +278,7 @@ class PulseWorker:
             self.elector.stop()  # releases: the next leader ticks within one interval
         self.recoverer.stop()
         self.keeper.stop()
+        self.signals.stop()
         if self.chords is not None:
             self.chords.stop()  # after the last completions counted their chords
         if self.membership is not None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from celery_pulse.errors import PulseError
 
@@ -228,6 +229,15 @@ class PermitUsage:
     waiting: int
 
 
+class PermitSignals(Protocol):
+    """Announcements that permits of some keys were given back (a hint, never a grant)."""
+
+    def send(self, keys: Sequence[str]) -> None: ...
+
+    def receive(self, timeout: float) -> set[str]:
+        """Keys announced since the last call, waiting up to ``timeout`` for one."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResultRecord:
     """A value for the result backend's table, written with a fenced completion."""
@@ -374,6 +384,11 @@ class ClaimStore(abc.ABC):
     def permit_usage(self) -> list[PermitUsage]:
         """Every concurrency limit the store has seen a start ask for, ordered by key."""
         return []
+
+    def permit_signals(self) -> AbstractContextManager[PermitSignals] | None:
+        """A channel on which workers tell each other that permits were given back
+        (None: the store has none; waiting tasks then only poll)."""
+        return None
 
     def start(self, holder: str, task_id: str, epoch: int, token: str, ttl: float) -> float | None:
         """:meth:`start_many` for one lease: the new lease_until, or None if refused."""

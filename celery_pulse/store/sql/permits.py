@@ -11,13 +11,16 @@ every other statement are not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, Permit, PermitUsage
 from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.tables import claims, permit_holds, permits
 
 #: The claim a hold row belongs to, under the epoch that asked for the permit.
@@ -153,3 +156,44 @@ def as_needs(permits_by_task: Mapping[str, Sequence[Permit]] | None,
     limited = [lease for lease in leases if permits_by_task.get(lease[0])]
     plain = [lease for lease in leases if not permits_by_task.get(lease[0])]
     return limited, plain
+
+
+#: The PostgreSQL channel on which workers announce permits given back.
+CHANNEL = "pulse_permits"
+
+
+class Signals:
+    """PostgreSQL ``LISTEN``/``NOTIFY`` on :data:`CHANNEL`, on one connection of its own."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def send(self, keys: Sequence[str]) -> None:
+        with translated("permit signal"):
+            self._conn.execute("SELECT pg_notify(%s, k) FROM unnest(%s::text[]) AS k",
+                               (CHANNEL, list(keys)))
+
+    def receive(self, timeout: float) -> set[str]:
+        end = time.monotonic() + max(0.0, timeout)
+        keys: set[str] = set()
+        with translated("permit signal"):
+            while not keys and (left := end - time.monotonic()) > 0:
+                keys.update(n.payload for n in self._conn.notifies(timeout=left, stop_after=1))
+            # ... and whatever else already arrived
+            keys.update(n.payload for n in self._conn.notifies(timeout=0.0))
+        return keys
+
+
+@contextlib.contextmanager
+def signals(engine: sa.Engine) -> Iterator[Signals]:
+    with translated("permit signal"):
+        raw = engine.raw_connection()
+    conn: Any = raw.driver_connection
+    try:
+        with translated("permit signal"):
+            conn.autocommit = True
+            conn.execute(f"LISTEN {CHANNEL}")
+        yield Signals(conn)
+    finally:
+        raw.invalidate()  # LISTENing: never back into the pool
+        raw.close()

@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
@@ -48,6 +49,7 @@ from celery_pulse.store.base import (
     LeaderInfo,
     Message,
     Permit,
+    PermitSignals,
     PermitUsage,
     Recovered,
     Refusal,
@@ -519,6 +521,9 @@ class SqlStore(Store):
     def permit_usage(self) -> list[PermitUsage]:
         with translated("permit usage"), self._read() as conn:
             return _permits.usage(conn, self.dialect)
+
+    def permit_signals(self) -> AbstractContextManager[PermitSignals] | None:
+        return _permits.signals(self.engine) if self.dialect.is_postgres else None
 
     def _start_statement(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
                          ) -> tuple[str, tuple[Any, ...]]:
