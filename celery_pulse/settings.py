@@ -185,11 +185,12 @@ class Settings:
         return cls(**kwargs)
 
 
-def concurrency_limit(key: str, value: Any) -> int:
-    """A concurrency limit as declared: an integer >= 1 (``key`` names the declaration)."""
+def concurrency_limit(key: str, value: Any, setting: str) -> int:
+    """A concurrency limit as declared: an integer >= 1 (``key`` names the declaration,
+    ``setting`` the setting or task option it belongs to)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidConfig(f"{key}: a concurrency limit must be an integer >= 1, got "
-                            f"{value!r}", setting=key.split("[", 1)[0])
+                            f"{value!r}", setting=setting)
     return value
 
 
@@ -202,7 +203,7 @@ def _limits(key: str, value: Any) -> dict[str, int]:
         if not isinstance(name, str) or not name.strip() or name.strip() == "queue:":
             raise InvalidConfig(f"{key}: {name!r} is neither a task name nor 'queue:<name>'",
                                 setting=key)
-        out[name.strip()] = concurrency_limit(f"{key}[{name!r}]", limit)
+        out[name.strip()] = concurrency_limit(f"{key}[{name!r}]", limit, key)
     return out
 
 

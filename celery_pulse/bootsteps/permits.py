@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import inspect
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from celery import Task
 
 from celery_pulse.bootsteps.loop import LoopCaller
 from celery_pulse.errors import InvalidConfig, PulseError
@@ -41,6 +44,15 @@ MAX_KEY = 200
 QUEUE_PREFIX = "queue:"
 #: Seconds the signal thread waits for an announcement before sending its own.
 SIGNAL_POLL = 0.05
+
+
+def _keyer(task: Any) -> Any:
+    """The task's ``pulse_concurrency_key`` as declared: Celery makes task options class
+    attributes, so a plain function comes back bound to the task."""
+    keyer = getattr(task, "pulse_concurrency_key", None)
+    if inspect.ismethod(keyer) and isinstance(keyer.__self__, Task):
+        return keyer.__func__
+    return keyer
 
 
 def _key(text: str) -> str:
@@ -70,9 +82,9 @@ class PermitRules:
     def check(self, name: str, task: Any) -> None:
         option = getattr(task, "pulse_concurrency", None)
         if option is not None:
-            concurrency_limit(f"pulse_concurrency of task {name}", option)
+            concurrency_limit(f"pulse_concurrency of task {name}", option, "pulse_concurrency")
             self.declared = True
-        keyer = getattr(task, "pulse_concurrency_key", None)
+        keyer = _keyer(task)
         if keyer is not None:
             if not callable(keyer):
                 raise InvalidConfig(f"pulse_concurrency_key of task {name}: expected a callable "
@@ -99,7 +111,7 @@ class PermitRules:
         limit = self._task_limit(task)
         if limit is not None:
             key = f"task:{task.name}"
-            keyer = getattr(task, "pulse_concurrency_key", None)
+            keyer = _keyer(task)
             if keyer is not None:
                 try:
                     key = f"{key}[{keyer(args or (), kwargs or {})}]"
