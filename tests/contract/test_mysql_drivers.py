@@ -23,6 +23,7 @@ from tests.contract import (
     test_claims_contract,
     test_leader_beat_contract,
     test_migrations,
+    test_permits_contract,
     test_recover_contract,
     test_registry_contract,
     test_results_contract,
@@ -77,7 +78,8 @@ def _store_tests(module: ModuleType) -> dict[str, object]:
 
 
 for _module in (test_claims_contract, test_recover_contract, test_registry_contract,
-                test_leader_beat_contract, test_migrations, test_results_contract):
+                test_leader_beat_contract, test_migrations, test_results_contract,
+                test_permits_contract):
     globals().update(_store_tests(_module))
 
 

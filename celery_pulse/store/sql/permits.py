@@ -49,7 +49,8 @@ def holders(conn: sa.Connection, keys: Sequence[str]) -> dict[str, int]:
     rows = conn.execute(
         sa.select(permit_holds.c.key, sa.func.count())
         .select_from(permit_holds.join(claims, _SAME_ATTEMPT))
-        .where(permit_holds.c.key.in_(list(keys)), claims.c.state == RUNNING)
+        .where(permit_holds.c.key.in_(list(keys)), permit_holds.c.held,
+               claims.c.state == RUNNING)
         .group_by(permit_holds.c.key))
     return {key: int(count) for key, count in rows}
 
@@ -92,16 +93,20 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
             claims.c.lease_until > now).with_for_update())}
     granted: list[tuple[str, int, str]] = []
     waiting: list[tuple[str, int, str]] = []
+    rows: list[dict[str, Any]] = []  # held, or waited for (only the keys without room)
     for lease in leases:
         if (lease[0], lease[1]) not in live:
             continue
         keyed = wanted[lease[0]]
-        if all(used.get(key, 0) < p.limit for key, p in keyed.items()):
+        full = [key for key, p in keyed.items() if used.get(key, 0) >= p.limit]
+        if not full:
             for key in keyed:
                 used[key] = used.get(key, 0) + 1
             granted.append(lease)
         else:
             waiting.append(lease)
+        rows += [{"key": key, "task_id": lease[0], "epoch": lease[1], "held": not full}
+                 for key in (full or keyed)]
     started: dict[str, float] = {}
     if granted:
         ids = [lease[0] for lease in granted]
@@ -109,13 +114,10 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
             state=RUNNING, started_at=now, lease_until=now + ttl))
         started = {task_id: float(until) for task_id, until in conn.execute(
             sa.select(claims.c.task_id, claims.c.lease_until).where(claims.c.task_id.in_(ids)))}
-    asked = granted + waiting
-    if asked:
+    if rows:
         conn.execute(sa.delete(permit_holds).where(
-            permit_holds.c.task_id.in_([lease[0] for lease in asked])))
-        conn.execute(sa.insert(permit_holds), [
-            {"key": key, "task_id": lease[0], "epoch": lease[1]}
-            for lease in asked for key in wanted[lease[0]]])
+            permit_holds.c.task_id.in_([lease[0] for lease in granted + waiting])))
+        conn.execute(sa.insert(permit_holds), rows)
     return started, {lease[0] for lease in waiting}
 
 
@@ -126,8 +128,9 @@ def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:
     for key, state, count in conn.execute(
             sa.select(permit_holds.c.key, claims.c.state, sa.func.count())
             .select_from(permit_holds.join(claims, _SAME_ATTEMPT))
-            .where(sa.or_(claims.c.state == RUNNING,
-                          sa.and_(claims.c.state == RESERVED, claims.c.lease_until > now)))
+            .where(sa.or_(sa.and_(permit_holds.c.held, claims.c.state == RUNNING),
+                          sa.and_(~permit_holds.c.held, claims.c.state == RESERVED,
+                                  claims.c.lease_until > now)))
             .group_by(permit_holds.c.key, claims.c.state)):
         counts[(key, state)] = int(count)
     return [PermitUsage(key, int(limit), counts.get((key, RUNNING), 0),

@@ -193,17 +193,19 @@ permits = sa.Table(
     **TABLE_OPTIONS,
 )
 
-#: Which claim asked for which permit, under which epoch. A row *holds* its permit
-#: while its claim is ``running`` under that epoch, and *waits* for it while the claim
-#: is ``reserved`` under it: every statement that moves a claim on gives the permit
-#: back by itself, so a permit is never given back twice. Rows of past epochs are
-#: dropped by the next start of their key and by retention.
+#: Which claim asked for which permit, under which epoch. A ``held`` row holds its
+#: permit while its claim is ``running`` under that epoch: every statement that moves a
+#: claim on gives the permit back by itself, so a permit is never given back twice. A
+#: row not held says the claim, ``reserved`` under that epoch, waits for the key (shown,
+#: never counted). Rows of past epochs are dropped by the next start of their key and by
+#: retention.
 permit_holds = sa.Table(
     "pulse_permit_holds",
     metadata,
     sa.Column("key", sa.String(255), primary_key=True),
     sa.Column("task_id", sa.String(255), primary_key=True),
     sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("held", sa.Boolean, nullable=False),
     sa.Index("ix_pulse_permit_holds_task", "task_id"),
     **TABLE_OPTIONS,
 )

@@ -31,6 +31,7 @@ def upgrade() -> None:
         sa.Column("key", sa.String(255), primary_key=True),
         sa.Column("task_id", sa.String(255), primary_key=True),
         sa.Column("epoch", sa.BigInteger, nullable=False),
+        sa.Column("held", sa.Boolean, nullable=False),
         **TABLE_OPTIONS,
     )
     op.create_index("ix_pulse_permit_holds_task", "pulse_permit_holds", ["task_id"])
