@@ -153,6 +153,8 @@ class PermitWaits:
         self.groups: dict[tuple[str, ...], _Keys] = {}
         self.count = 0
         self._warned: set[int] = set()
+        self._asks: collections.deque[tuple[str, ...]] = collections.deque()
+        self._asking = False
 
     @staticmethod
     def _group(claim: LocalClaim) -> tuple[str, ...]:
@@ -218,6 +220,21 @@ class PermitWaits:
         self._next(keys)
 
     def _next(self, keys: tuple[str, ...]) -> None:
+        """Let the first waiter of ``keys`` ask. A resume may answer at once (a lost claim
+        is ``gone``, a loop without a hub starts inline) and ask for the next: those asks
+        are queued and run here, one after another, never nested (a reconnect that drops
+        hundreds of waiters must not recurse once per waiter)."""
+        self._asks.append(keys)
+        if self._asking:
+            return
+        self._asking = True
+        try:
+            while self._asks:
+                self._ask(self._asks.popleft())
+        finally:
+            self._asking = False
+
+    def _ask(self, keys: tuple[str, ...]) -> None:
         group = self.groups.get(keys)
         if group is None or group.in_flight is not None:
             return

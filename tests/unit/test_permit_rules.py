@@ -177,3 +177,22 @@ def test_a_long_wait_sends_one_event() -> None:
     waits.settled(a, None, "waiting")
     loop.fire()
     assert len(events) == 2  # once per task
+
+
+def test_many_waiters_gone_at_once_do_not_recurse() -> None:
+    """A reconnect drops every waiter: each resume answers ``gone`` at once and lets the
+    next ask, which must run one after another, not nested (a worker hit RecursionError)."""
+    loop = _Loop()
+    waits: PermitWaits
+    asked: list[str] = []
+
+    def resume(claim: LocalClaim, job: Any) -> None:
+        asked.append(claim.task_id)
+        waits.settled(claim, job, "gone")
+
+    waits = PermitWaits(lambda: loop, resume, lambda *a, **k: None, 60.0)  # type: ignore[arg-type]
+    claims = [_claim(f"t{i}", "k") for i in range(3000)]
+    for claim in claims:
+        waits.settled(claim, None, "waiting")
+    waits.freed({"k"})
+    assert asked == [c.task_id for c in claims] and waits.count == 0
