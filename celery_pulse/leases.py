@@ -652,6 +652,10 @@ class LeaseKeeper:
         with self._lock:  # the renewer and the watchdog may race here
             if claim.state == LOST:
                 return
+            if self.claims.get(claim.task_id) is not claim:
+                # Completed (forgotten) after the renewer's snapshot: its lease ended with
+                # the completion, and its pid may run another task by now.
+                return
             was = claim.state
             self._uncount(claim)
             claim.state = LOST

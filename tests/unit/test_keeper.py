@@ -209,3 +209,29 @@ def test_warm_shutdown_releases_grants_the_event_loop_never_took(store: SqlStore
     (info,) = store.list_claims()
     assert info.state == "reserved" and info.lease_remaining is not None
     assert info.lease_remaining <= 0  # expired now: Recover re-publishes it at once
+
+
+def test_a_claim_completed_during_a_renewal_is_not_lost(store: SqlStore) -> None:
+    """The renewer snapshots the held claims, then renews: a task that completes in
+    between is no longer granted, but it was never lost (and its pid may already run the
+    next task: no LeaseLost signal may go to it)."""
+    listener = Listener()
+    keeper = LeaseKeeper(store, "w1", ttl=TTL, interval=1, margin=1, grace=2,
+                         listener=listener)
+    claim = keeper.add(reserve(store, "t1", "p1"), time.monotonic(), 0, False)
+    assert set(store.start_many("w1", [claim.key], TTL)) == {"t1"}
+    keeper.mark_running(claim)
+    claim.pid = 4242
+    real_renew = store.renew
+
+    def renew_after_completion(holder: str, leases: Sequence[tuple[str, int, str]],
+                               ttl: float) -> Any:
+        keeper.forget(claim)  # what submit_complete does first
+        store.complete("w1", [Completion(claim.task_id, claim.epoch, claim.token, "succeeded",
+                                         None)])
+        return real_renew(holder, leases, ttl)
+
+    store.renew = renew_after_completion  # type: ignore[method-assign]
+    keeper.renew_once()
+    assert listener.lost == [] and claim.state == RUNNING
+    assert keeper.counters.lost == 0
