@@ -16,7 +16,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 import pytest
+import sqlalchemy as sa
 
+from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.base import (
     FAILED,
     OPEN,
@@ -338,3 +340,33 @@ def test_permits_a_waiter_started_without_them_holds_none(sql_store: SqlStore) -
     complete(sql_store, W1, first, SUCCEEDED)
     assert usage(sql_store) == {"k": (1, 0, 0)}
     running(sql_store, W2, [k])  # the key is free: g took no permit
+
+
+def test_permits_signals_reach_other_stores_and_a_cut_connection_is_unavailable(
+        sql_store: SqlStore) -> None:
+    """PostgreSQL's NOTIFY between two workers' stores; elsewhere there are none (waiters
+    poll). A listener whose connection the server cut reports the store unavailable (the
+    signal thread backs off and says so), not a raw driver error."""
+    sender_ctx = sql_store.permit_signals()
+    if not sql_store.dialect.is_postgres:
+        assert sender_ctx is None
+        return
+    other = open_store(sql_store.engine.url.render_as_string(hide_password=False),
+                       check_schema=False)
+    try:
+        listener_ctx = other.permit_signals()
+        assert sender_ctx is not None and listener_ctx is not None
+        with sender_ctx as sender, listener_ctx as listener:
+            sender.send(["k1", "k2"])
+            got: set[str] = set()
+            deadline = time.monotonic() + 10
+            while got != {"k1", "k2"} and time.monotonic() < deadline:
+                got |= listener.receive(1.0)
+            assert got == {"k1", "k2"}
+            pid = listener._conn.info.backend_pid  # type: ignore[attr-defined]
+            with sql_store.engine.connect() as conn:
+                conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            with pytest.raises(StoreUnavailable):
+                listener.receive(5.0)
+    finally:
+        other.close()

@@ -77,3 +77,19 @@ def translated(where: str) -> Iterator[None]:
         raise error from exc
     except sa_exc.TimeoutError as exc:  # connection pool exhausted / connect timeout
         raise StoreUnavailable(f"store unavailable during {where}: {exc}") from exc
+
+
+@contextmanager
+def driver_translated(where: str) -> Iterator[None]:
+    """:func:`translated` for psycopg used directly (the pipelined hot path, LISTEN):
+    a dropped connection is the store being unavailable, not a bug."""
+    import psycopg  # only PostgreSQL stores get here
+
+    try:
+        yield
+    except psycopg.Error as exc:
+        lost = isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+        error = translate(exc, where, lost)
+        if error is None:
+            raise
+        raise error from exc

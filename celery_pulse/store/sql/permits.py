@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, Permit, PermitUsage
 from celery_pulse.store.sql.dialect import Dialect
-from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.errors import driver_translated, translated
 from celery_pulse.store.sql.tables import claims, permit_holds, permits
 
 #: The claim a hold row belongs to, under the epoch that asked for the permit.
@@ -172,14 +172,14 @@ class Signals:
         self._conn = conn
 
     def send(self, keys: Sequence[str]) -> None:
-        with translated("permit signal"):
+        with driver_translated("permit signal"):
             self._conn.execute("SELECT pg_notify(%s, k) FROM unnest(%s::text[]) AS k",
                                (CHANNEL, list(keys)))
 
     def receive(self, timeout: float) -> set[str]:
         end = time.monotonic() + max(0.0, timeout)
         keys: set[str] = set()
-        with translated("permit signal"):
+        with driver_translated("permit signal"):
             while not keys and (left := end - time.monotonic()) > 0:
                 keys.update(n.payload for n in self._conn.notifies(timeout=left, stop_after=1))
             # ... and whatever else already arrived
@@ -193,7 +193,7 @@ def signals(engine: sa.Engine) -> Iterator[Signals]:
         raw = engine.raw_connection()
     conn: Any = raw.driver_connection
     try:
-        with translated("permit signal"):
+        with driver_translated("permit signal"):
             conn.autocommit = True
             conn.execute(f"LISTEN {CHANNEL}")
         yield Signals(conn)

@@ -16,8 +16,7 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from celery_pulse.errors import StoreUnavailable
-from celery_pulse.store.sql.errors import translate
+from celery_pulse.store.sql.errors import driver_translated, translated
 
 
 class Pipeline:
@@ -44,29 +43,19 @@ class Pipeline:
         """Execute ``statements`` in one round trip; the rows each one returned."""
         with self._lock:
             try:
-                conn = self._connection()
-                cursors = []
-                with conn.pipeline():
-                    for sql, params in statements:
-                        cursor = conn.cursor()
-                        cursor.execute(sql, params, prepare=True)
-                        cursors.append(cursor)
-                return [cursor.fetchall() for cursor in cursors]
-            except psycopg.Error as exc:
-                self.close()
-                lost = isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
-                error = translate(exc, where, lost)
-                if error is None:
-                    raise
-                raise error from exc
-            except sa.exc.DBAPIError as exc:  # connecting went through SQLAlchemy
-                self.close()
-                error = translate(exc.orig or exc, where, True)
-                if error is None:
-                    raise
-                raise error from exc
-            except sa.exc.TimeoutError as exc:
-                raise StoreUnavailable(f"store unavailable during {where}: {exc}") from exc
+                # SQLAlchemy's errors while connecting, psycopg's after
+                with translated(where), driver_translated(where):
+                    conn = self._connection()
+                    cursors = []
+                    with conn.pipeline():
+                        for sql, params in statements:
+                            cursor = conn.cursor()
+                            cursor.execute(sql, params, prepare=True)
+                            cursors.append(cursor)
+                    return [cursor.fetchall() for cursor in cursors]
+            except BaseException:
+                self.close()  # a failed pipeline leaves the connection unusable
+                raise
 
     def close(self) -> None:
         conn, self._raw, self._conn = self._conn, None, None
