@@ -41,15 +41,16 @@ class _Listener:
         worker_state.should_stop = 0
 
 
-def _keep_reservations_across_reconnects(c: Any, pulse: Any) -> None:
+def _keep_reservations_across_reconnects(c: Any, pulse: Any, pool: Any) -> None:
     """On a broker reconnect Celery drops requests not yet running (it expects the broker
     to redeliver them), but ours were acknowledged at reservation. Release them instead:
     Recover re-dispatches each at once, under a new epoch."""
     original = c.on_close
 
     def on_close() -> None:
-        original()
+        original()  # clears the worker's semaphore, and what waited in it
         pulse.release_unstarted("broker connection lost")
+        pool.semaphore_cleared("broker connection lost while it waited for a pool process")
 
     c.on_close = on_close
 
@@ -84,7 +85,8 @@ class Registry(bootsteps.StartStopStep):
             pool.pulse = pulse
             pulse.ahead.hand_over = pool.hand_over
             pulse.waits.resume = pool.resume_waiting
-            _keep_reservations_across_reconnects(c, pulse)
+            pulse.awaiting_process = pool.awaiting_process
+            _keep_reservations_across_reconnects(c, pulse, pool)
             pulse.membership.start()
             pulse.start_leases()
         else:

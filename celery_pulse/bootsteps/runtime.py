@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import bootsteps
@@ -108,6 +108,8 @@ class PulseWorker:
         self.waits = PermitWaits(lambda: self.loop, lambda *_args: None, self.emit,
                                  settings.permit_wait_event)
         self.signals = PermitSignals(store, lambda keys: self.loop.call(self.waits.freed, keys))
+        #: Retried starts waiting for a pool process (the pool's count, bound with it).
+        self.awaiting_process: Callable[[], int] = lambda: 0
         child.configure(child.ChildContext(app, settings.store_url, hostname,
                                            settings.lease_ttl, self.table))
         self.elector: LeaderElector | None = None
@@ -388,7 +390,8 @@ class PulseWorker:
                 "expires_in": round(membership.expires_in, 3)},
             "consuming": self.gate.is_open if self.gate else None,
             "paused_for": sorted(self.gate.reasons) if self.gate else [],
-            "permits": {"waiting": self.waits.count, "by_key": self.waits.by_key()},
+            "permits": {"waiting": self.waits.count, "by_key": self.waits.by_key(),
+                        "awaiting_process": self.awaiting_process()},
             "leases": {"held": sum(c.state != LOST for c in held),
                        "running": sum(c.state == RUNNING for c in held),
                        "reserved": sum(c.state == RESERVED for c in held),

@@ -64,6 +64,12 @@ class TaskPool(prefork.TaskPool):
     #: Set by the registry step once the worker's pulse services exist.
     pulse: Any = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Retried starts queued in Celery's semaphore for a pool process.
+        self._awaiting_process: dict[tuple[str, int, str],
+                                     tuple[LocalClaim, tuple[Any, Any, Any, dict[str, Any]]]] = {}
+
     def apply_async(self, target: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         pulse = self.pulse
         callback = options.get("callback")
@@ -182,10 +188,30 @@ class TaskPool(prefork.TaskPool):
         if semaphore is None:
             self._submit_start(claim, job)
         else:
-            semaphore.acquire(self._submit_start, claim, job)
+            self._awaiting_process[claim.key] = (claim, job)
+            semaphore.acquire(self._got_process, claim, job)
 
     #: A task that waited for a concurrency permit asks for its start again.
     resume_waiting = _retry_start
+
+    def _got_process(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]]) -> None:
+        self._awaiting_process.pop(claim.key, None)
+        self._submit_start(claim, job)
+
+    def awaiting_process(self) -> int:
+        """How many retried starts wait for a pool process (worker stats)."""
+        return len(self._awaiting_process)
+
+    def semaphore_cleared(self, why: str) -> None:
+        """Celery cleared its semaphore (a broker reconnect), and the callbacks queued in
+        it with it: the retried starts waiting there for a process will never get one.
+        Dropped here (their claims were released with the other unstarted ones), or a
+        task waiting for a permit would hold its keys' turn for good: every later waiter
+        of those keys stuck behind it, on a live worker (a fault-suite run caught it)."""
+        awaiting = list(self._awaiting_process.values())
+        self._awaiting_process.clear()
+        for claim, job in awaiting:
+            self._abandon(claim, job, why)
 
     def _abandon(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
                  why: str) -> None:

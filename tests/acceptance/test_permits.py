@@ -22,8 +22,10 @@ import contextlib
 import dataclasses
 import json
 import signal
+import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,9 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_pulse.store.base import PermitUsage
+from celery_pulse.store.base import Grant, Permit, PermitUsage
 from celery_pulse.store.sql import SqlStore, open_store
+from tests.contract import test_claims_contract as contract
 from tests.helpers.services import tidy_queue
 from tests.helpers.workers import Env, Worker, wait_for
 
@@ -669,3 +672,83 @@ def test_queue_limit_holds_for_every_task_of_the_queue(
     qkey = f"queue:{env.queue}"
     assert usage(store, qkey) == PermitUsage(qkey, 3, 0, 0)
 
+
+
+# -- 8. a broker reconnect while a waiter's turn waits for a pool process ------------------------
+@contextlib.contextmanager
+def private_vhost(rabbitmq_url: str, name: str) -> Iterator[str]:
+    """A RabbitMQ vhost of the test's own: its connections can be cut without touching
+    anyone else's. The broker URL on it."""
+    def ctl(*args: str) -> None:
+        done = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert done.returncode == 0, f"rabbitmqctl {args}: {done.stderr}"
+    ctl("add_vhost", name)
+    try:
+        ctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+        yield f"{rabbitmq_url.rstrip('/')}/{name}"
+    finally:
+        ctl("delete_vhost", name)
+
+
+def hold_permit(store: SqlStore, permit: Permit) -> Grant:
+    """A claim of another holder (not a worker: the test itself) holding ``permit``."""
+    g = contract.grant(store, "elsewhere@test", contract.request(), ttl=120)
+    waiting: set[str] = set()
+    started = store.start_many("elsewhere@test", [contract.key(g)], 120,
+                               {g.task_id: [permit]}, waiting)
+    assert set(started) == {g.task_id} and not waiting, (started, waiting)
+    return g
+
+
+def test_a_reconnect_never_leaves_later_waiters_stuck(
+        pg_url: str, rabbitmq_url: str, tmp_path: Path, penv: Callable[..., Env],
+        cluster: Cluster, store_of: Callable[[str], SqlStore]) -> None:
+    """A limited task's turn came while every pool process was busy: its start waits in
+    Celery's semaphore, which a broker reconnect clears (callbacks included). Passes if
+    the task, released with the reconnect and re-dispatched by Recover, waits again and
+    then runs once the permit frees. (It was stuck for good: the cleared start kept its
+    keys' turn, and every later waiter of those keys queued behind it; a fault-suite run
+    caught it.) One worker ``-c 1``, limit 1, the permit held by the test as another
+    holder; a gated unlimited task keeps the one process busy."""
+    store = store_of(pg_url)
+    key, journal, gates = task_key(LIMITED), tmp_path / "journal.txt", tmp_path / "gates"
+    gates.mkdir()
+    with private_vhost(rabbitmq_url, f"pulse_{uuid.uuid4().hex[:10]}") as broker:
+        env = penv(pg_url, broker, dict(FAST))
+        env.conf["pulse_concurrency_limits"] = {LIMITED: 1}
+        w = cluster.worker(env, "r@%h", concurrency=1)
+        cluster.ready(w)
+        name = w.wait_log(r"pulse: registered (\S+)").group(1)
+        elsewhere = hold_permit(store, Permit(key, 1))
+        with producer(env) as client:
+            limited = client.send_task(LIMITED, (str(journal), 0.01)).id
+            wait_until(lambda: (u := usage(store, key)) is not None and u.waiting == 1, 30,
+                       "the limited task to wait for the permit", (w,))
+            busy = client.send_task(GATED, (str(journal), str(gates), 120)).id
+            wait_until(lambda: all_in_state(pg_url, [busy], "running"), 30,
+                       "the gated task to hold the pool process", (w,))
+            contract.complete(store, "elsewhere@test", elsewhere)  # the permit frees...
+
+            def awaiting() -> int | None:
+                stats = client.control.inspect(timeout=2, destination=[name]).stats() or {}
+                return stats[name]["pulse"]["permits"]["awaiting_process"] if stats else None
+            # ... the limited task's turn comes, and waits in the semaphore for the process
+            wait_until(lambda: awaiting() == 1, 30, "the limited task to wait for a process",
+                       (w,), interval=0.3)
+        first_epoch = claim_rows(pg_url, [limited])[limited].epoch
+        elsewhere = hold_permit(store, Permit(key, 1))  # so the re-dispatched one waits again
+        done = subprocess.run(["rabbitmqctl", "close_all_connections", "--vhost",
+                               broker.rsplit("/", 1)[1], "pulse test: reconnect"],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        wait_until(lambda: claim_rows(pg_url, [limited])[limited].epoch > first_epoch
+                   and (u := usage(store, key)) is not None and u.waiting == 1, 30,
+                   "the released task to be re-dispatched and wait again", (w,))
+        contract.complete(store, "elsewhere@test", elsewhere)
+        (gates / "all").touch()
+        wait_until(lambda: all_in_state(pg_url, [limited, busy], "succeeded"), 30,
+                   "the limited task to run once the permit is free", (w,))
+        assert [r.task_id for r in runs(journal, LIMITED)] == [limited]  # ran once
+        assert usage(store, key) == PermitUsage(key, 1, 0, 0)
+        w.kill()  # before its vhost goes
