@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -22,6 +22,9 @@ from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, Permit, Perm
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.errors import driver_translated, translated
 from celery_pulse.store.sql.tables import claims, permit_holds, permits
+
+if TYPE_CHECKING:
+    from celery_pulse.store.sql.pipeline import Pipeline
 
 #: The claim a hold row belongs to, under the epoch that asked for the permit.
 _SAME_ATTEMPT = sa.and_(claims.c.task_id == permit_holds.c.task_id,
@@ -70,30 +73,16 @@ def drop_past(conn: sa.Connection, keys: Sequence[str] | None = None, limit: int
             [tuple(row) for row in past]))).rowcount)
 
 
-def start(conn: sa.Connection, dialect: Dialect, holder: str,
-          leases: Sequence[tuple[str, int, str]], ttl: float,
-          needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
-    """Start the leases that find room under every permit they need, in order.
+def _decide(leases: Sequence[tuple[str, int, str]], wanted: Mapping[str, Mapping[str, Permit]],
+            used: dict[str, int], live: set[tuple[str, int]]
+            ) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]], list[dict[str, Any]]]:
+    """In order: each live lease starts if every key it needs has room, else waits.
 
-    Returns ``(task_id -> lease_until, waiting task ids)``; the leases that are not live
-    reservations of ``holder`` are in neither.
-    """
-    now = dialect.now()
-    wanted = {lease[0]: {p.key: p for p in needs[lease[0]]} for lease in leases}
-    limits = {key: p.limit for keyed in wanted.values() for key, p in keyed.items()}
-    lock_keys(conn, dialect, limits)
-    drop_past(conn, list(limits))
-    used = holders(conn, list(limits))
-    live = {(task_id, int(epoch)) for task_id, epoch in conn.execute(
-        sa.select(claims.c.task_id, claims.c.epoch).where(
-            claims.c.task_id.in_(list(wanted)),
-            sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
-                [tuple(lease) for lease in leases]),
-            claims.c.holder == holder, claims.c.state == RESERVED,
-            claims.c.lease_until > now).with_for_update())}
+    Returns ``(granted, waiting, hold rows)``: held rows for the granted, and rows not
+    held only for the keys a waiter found full (it is not counted on the others)."""
     granted: list[tuple[str, int, str]] = []
     waiting: list[tuple[str, int, str]] = []
-    rows: list[dict[str, Any]] = []  # held, or waited for (only the keys without room)
+    rows: list[dict[str, Any]] = []
     for lease in leases:
         if (lease[0], lease[1]) not in live:
             continue
@@ -107,6 +96,36 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
             waiting.append(lease)
         rows += [{"key": key, "task_id": lease[0], "epoch": lease[1], "held": not full}
                  for key in (full or keyed)]
+    return granted, waiting, rows
+
+
+def _wanted(leases: Sequence[tuple[str, int, str]], needs: Mapping[str, Sequence[Permit]]
+            ) -> tuple[dict[str, dict[str, Permit]], dict[str, int]]:
+    wanted = {lease[0]: {p.key: p for p in needs[lease[0]]} for lease in leases}
+    return wanted, {key: p.limit for keyed in wanted.values() for key, p in keyed.items()}
+
+
+def start(conn: sa.Connection, dialect: Dialect, holder: str,
+          leases: Sequence[tuple[str, int, str]], ttl: float,
+          needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
+    """Start the leases that find room under every permit they need, in order.
+
+    Returns ``(task_id -> lease_until, waiting task ids)``; the leases that are not live
+    reservations of ``holder`` are in neither.
+    """
+    now = dialect.now()
+    wanted, limits = _wanted(leases, needs)
+    lock_keys(conn, dialect, limits)
+    drop_past(conn, list(limits))
+    used = holders(conn, list(limits))
+    live = {(task_id, int(epoch)) for task_id, epoch in conn.execute(
+        sa.select(claims.c.task_id, claims.c.epoch).where(
+            claims.c.task_id.in_(list(wanted)),
+            sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
+                [tuple(lease) for lease in leases]),
+            claims.c.holder == holder, claims.c.state == RESERVED,
+            claims.c.lease_until > now).with_for_update())}
+    granted, waiting, rows = _decide(leases, wanted, used, live)
     started: dict[str, float] = {}
     if granted:
         ids = [lease[0] for lease in granted]
@@ -119,6 +138,80 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
             permit_holds.c.task_id.in_([lease[0] for lease in granted + waiting])))
         conn.execute(sa.insert(permit_holds), rows)
     return started, {lease[0] for lease in waiting}
+
+
+def _pg_sql(now: str) -> dict[str, str]:
+    """:func:`start`'s statements in plain PostgreSQL (arrays for every batch size)."""
+    live = f"('{RESERVED}', '{RUNNING}')"
+    return {
+        "lock": (
+            "INSERT INTO pulse_permits (key, max_running, updated_at) "
+            f"SELECT k, l, {now} FROM unnest(%s::text[], %s::int[]) AS t(k, l) ORDER BY k "
+            "ON CONFLICT (key) DO UPDATE SET max_running = EXCLUDED.max_running, "
+            "updated_at = EXCLUDED.updated_at"),
+        "drop_past": (
+            "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND NOT EXISTS "
+            "(SELECT 1 FROM pulse_claims c WHERE c.task_id = h.task_id AND c.epoch = h.epoch "
+            f"AND c.state IN {live})"),
+        "holders": (
+            "SELECT h.key, count(*) FROM pulse_permit_holds h JOIN pulse_claims c "
+            "ON c.task_id = h.task_id AND c.epoch = h.epoch WHERE h.key = ANY(%s::text[]) "
+            f"AND h.held AND c.state = '{RUNNING}' GROUP BY h.key"),
+        "live": (
+            "SELECT c.task_id, c.epoch FROM pulse_claims c "
+            "JOIN unnest(%s::text[], %s::bigint[], %s::text[]) AS v(task_id, epoch, token) "
+            "ON c.task_id = v.task_id AND c.epoch = v.epoch AND c.token = v.token "
+            f"WHERE c.holder = %s AND c.state = '{RESERVED}' AND c.lease_until > {now} "
+            "ORDER BY c.task_id FOR UPDATE OF c"),
+        "start": (
+            f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
+            f"lease_until = {now} + %s WHERE task_id = ANY(%s::text[]) "
+            "RETURNING task_id, lease_until"),
+        "forget": "DELETE FROM pulse_permit_holds WHERE task_id = ANY(%s::text[])",
+        "hold": (
+            "INSERT INTO pulse_permit_holds (key, task_id, epoch, held) "
+            "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::bool[])"),
+    }
+
+
+def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
+                    leases: Sequence[tuple[str, int, str]], ttl: float,
+                    needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
+    """:func:`start` on PostgreSQL's pipelined connection: one transaction in two round
+    trips (lock, tidy, count and check; then start and record), prepared statements, no
+    SQLAlchemy. Each statement reads a fresh snapshot (READ COMMITTED), so the count
+    that follows the key's lock sees every start that held the lock before it."""
+    sql = _pg_sql(dialect._now)
+    wanted, limits = _wanted(leases, needs)
+    keys = sorted(limits)
+    ordered = sorted(leases)
+    first = [
+        (sql["lock"], (keys, [limits[k] for k in keys])),
+        (sql["drop_past"], (keys,)),
+        (sql["holders"], (keys,)),
+        (sql["live"], ([lease[0] for lease in ordered], [lease[1] for lease in ordered],
+                       [lease[2] for lease in ordered], holder)),
+    ]
+    decided: dict[str, Any] = {}
+
+    def second(rows: list[list[tuple[Any, ...]]]) -> list[tuple[str, Sequence[Any]]]:
+        used = {key: int(count) for key, count in rows[2]}
+        live = {(task_id, int(epoch)) for task_id, epoch in rows[3]}
+        granted, waiting, holds = _decide(leases, wanted, used, live)
+        decided.update(granted=granted, waiting=waiting)
+        out: list[tuple[str, Sequence[Any]]] = []
+        if granted:
+            out.append((sql["start"], (ttl, [lease[0] for lease in granted])))
+        if holds:
+            out.append((sql["forget"], ([lease[0] for lease in granted + waiting],)))
+            out.append((sql["hold"], ([r["key"] for r in holds], [r["task_id"] for r in holds],
+                                      [r["epoch"] for r in holds], [r["held"] for r in holds])))
+        return out
+
+    results = pipeline.transaction("start", first, second)
+    started = {task_id: float(until) for task_id, until in results[0]} if decided.get(
+        "granted") else {}
+    return started, {lease[0] for lease in decided.get("waiting", ())}
 
 
 def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:

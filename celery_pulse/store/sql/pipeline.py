@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -46,16 +46,41 @@ class Pipeline:
                 # SQLAlchemy's errors while connecting, psycopg's after
                 with translated(where), driver_translated(where):
                     conn = self._connection()
-                    cursors = []
                     with conn.pipeline():
-                        for sql, params in statements:
-                            cursor = conn.cursor()
-                            cursor.execute(sql, params, prepare=True)
-                            cursors.append(cursor)
+                        cursors = self._send(conn, statements)
                     return [cursor.fetchall() for cursor in cursors]
             except BaseException:
                 self.close()  # a failed pipeline leaves the connection unusable
                 raise
+
+    def transaction(self, where: str, first: Sequence[tuple[str, Sequence[Any]]],
+                    then: Callable[[list[list[tuple[Any, ...]]]],
+                                   Sequence[tuple[str, Sequence[Any]]]]
+                    ) -> list[list[tuple[Any, ...]]]:
+        """One transaction in two round trips: ``first``'s rows decide the statements
+        ``then`` returns, which go out with the ``COMMIT``. Their rows."""
+        with self._lock:
+            try:
+                with translated(where), driver_translated(where):
+                    conn = self._connection()
+                    with conn.pipeline() as pipe, conn.transaction():
+                        cursors = self._send(conn, first)
+                        pipe.sync()
+                        cursors = self._send(conn, then([_rows(c) for c in cursors]))
+                    return [_rows(cursor) for cursor in cursors]
+            except BaseException:
+                self.close()
+                raise
+
+    @staticmethod
+    def _send(conn: psycopg.Connection[Any], statements: Sequence[tuple[str, Sequence[Any]]]
+              ) -> list[psycopg.Cursor[Any]]:
+        cursors = []
+        for sql, params in statements:
+            cursor = conn.cursor()
+            cursor.execute(sql, params, prepare=True)
+            cursors.append(cursor)
+        return cursors
 
     def close(self) -> None:
         conn, self._raw, self._conn = self._conn, None, None
@@ -64,3 +89,8 @@ class Pipeline:
             # rollback, and log a traceback when the server is already gone.
             with contextlib.suppress(Exception):
                 conn.close()
+
+
+def _rows(cursor: psycopg.Cursor[Any]) -> list[tuple[Any, ...]]:
+    """A statement's rows; none for one that returns none (an INSERT, a DELETE)."""
+    return cursor.fetchall() if cursor.description is not None else []

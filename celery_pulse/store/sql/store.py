@@ -6,6 +6,7 @@ credential check (token, epoch) and the expiry check by the store clock.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -446,11 +447,19 @@ class SqlStore(Store):
                [lease[0] for lease in starts])
         if self._pipeline is None or not any(ids) or any(
                 len(kind) > _CHUNK or len(set(kind)) < len(kind) for kind in ids) or any(
-                c.result is not None and c.result.counter is not None for c in completions) or (
-                permits and any(permits.get(lease[0]) for lease in starts)):
-            # (A chord part's counter is counted in a transaction of its own, and starts
-            # that need permits lock their keys in one: rare, or worth it.)
+                c.result is not None and c.result.counter is not None for c in completions):
+            # (A chord part's counter is counted in a transaction of its own: rare.)
             return super().exchange(holder, ttl, completions, reserves, starts, permits)
+        limited, starts = _permits.as_needs(permits, starts)
+        if limited:
+            # Starts that need permits lock their keys in a transaction of their own,
+            # after the rest (whose completions give permits back first).
+            done = self.exchange(holder, ttl, completions, reserves, starts) if (
+                completions or reserves or starts) else Exchanged({}, [], {})
+            waiting: set[str] = set()
+            started = self._start_limited(holder, limited, ttl, permits or {}, waiting)
+            return dataclasses.replace(done, started={**done.started, **started},
+                                       waiting=frozenset(waiting))
         statements = []
         if completions:
             statements.append(self._complete_statement(completions))
@@ -505,9 +514,13 @@ class SqlStore(Store):
         started: dict[str, float] = {}
         for i in range(0, len(leases), _CHUNK):
             chunk = leases[i:i + _CHUNK]
-            moved, wait = self._atomic("start", functools.partial(
-                _permits.start, dialect=self.dialect, holder=holder, leases=chunk, ttl=ttl,
-                needs=needs))
+            if self._pipeline is not None:
+                moved, wait = _permits.start_pipelined(self._pipeline, self.dialect, holder,
+                                                       chunk, ttl, needs)
+            else:
+                moved, wait = self._atomic("start", functools.partial(
+                    _permits.start, dialect=self.dialect, holder=holder, leases=chunk, ttl=ttl,
+                    needs=needs))
             started.update(moved)
             if waiting is not None:
                 waiting.update(wait)
