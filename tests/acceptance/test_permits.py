@@ -306,11 +306,13 @@ def either_store(request: pytest.FixtureRequest) -> str:
 def test_limit_holds_across_three_workers_and_unlimited_tasks_flow(
         either_store: str, rabbitmq_url: str, tmp_path: Path, penv: Callable[..., Env],
         cluster: Cluster, store_of: Callable[[str], SqlStore]) -> None:
-    """3 workers x ``-c 4``; 60 tasks limited to 2 (``pulse_concurrency=2``) of 50 ms and
-    60 unlimited ones of 10 ms, published interleaved. Passes if the history never shows
-    more than 2 limited bodies at once and does show 2 (the limit was reached, so the
-    check proves something), every task ran exactly once, and every unlimited task had
-    ended before half of the limited ones had: they were not queued behind them."""
+    """3 workers x ``-c 4``; 200 tasks limited to 2 (``pulse_concurrency=2``) of 20 ms and
+    200 unlimited ones of 10 ms, published interleaved (the issue's numbers). Passes if
+    the history never shows more than 2 limited bodies at once and does show 2 (the
+    limit was reached, so the check proves something), every task ran exactly once, and
+    every unlimited task had ended before half of the limited ones had: they were not
+    queued behind them."""
+    N = 200  # of each kind
     env = penv(either_store, rabbitmq_url)
     store = store_of(either_store)
     journal = tmp_path / "journal.txt"
@@ -319,11 +321,11 @@ def test_limit_holds_across_three_workers_and_unlimited_tasks_flow(
     began = time.monotonic()
     with producer(env) as client:
         ids: dict[str, list[str]] = {LIMITED: [], FREE: []}
-        for _ in range(60):
-            ids[LIMITED].append(client.send_task(LIMITED, (str(journal), 0.05)).id)
+        for _ in range(N):
+            ids[LIMITED].append(client.send_task(LIMITED, (str(journal), 0.02)).id)
             ids[FREE].append(client.send_task(FREE, (str(journal), 0.01)).id)
-    wait_until(lambda: ended(journal, LIMITED) == 60 and ended(journal, FREE) == 60, 90,
-               "all 120 tasks to end", ws)
+    wait_until(lambda: ended(journal, LIMITED) == N and ended(journal, FREE) == N, 120,
+               f"all {2 * N} tasks to end", ws)
     wait_until(lambda: all_in_state(either_store, ids[LIMITED] + ids[FREE], "succeeded"),
                30, "every claim to succeed", ws)
     elapsed = time.monotonic() - began
@@ -334,9 +336,9 @@ def test_limit_holds_across_three_workers_and_unlimited_tasks_flow(
     deepest = max_overlap(closed(r) for r in limited)
     assert deepest == 2, f"at most 2 limited tasks may run at once; the history shows {deepest}"
     hosts = {r.start.host for r in limited}
-    half_done = sorted(r.end.at for r in limited if r.end)[29]
+    half_done = sorted(r.end.at for r in limited if r.end)[N // 2 - 1]
     last_free = max(r.end.at for r in free if r.end)
-    print(f"\n[{either_store.split(':')[0]}] 120 tasks in {elapsed:.2f}s; limited ran on "
+    print(f"\n[{either_store.split(':')[0]}] {2 * N} tasks in {elapsed:.2f}s; limited ran on "
           f"{len(hosts)} worker(s); last unlimited end {last_free - limited[0].start.at:.3f}s "
           f"after the first limited start, half the limited done at "
           f"{half_done - limited[0].start.at:.3f}s")
