@@ -128,13 +128,16 @@ class PermitRules:
 class _Keys:
     """The tasks waiting for one set of permit keys, in arrival order."""
 
-    __slots__ = ("delay", "entries", "in_flight", "timer")
+    __slots__ = ("delay", "entries", "freed", "in_flight", "timer")
 
     def __init__(self) -> None:
         self.entries: collections.deque[tuple[LocalClaim, Any]] = collections.deque()
         self.delay = FIRST_RETRY
         #: A start of one of them is in flight (or waits for a pool process).
         self.in_flight: LocalClaim | None = None
+        #: A permit of these keys was given back while that start was in flight: if it
+        #: answers "waiting", it may have looked before the permit came back.
+        self.freed = False
         self.timer = False
 
 
@@ -179,6 +182,10 @@ class PermitWaits:
             if resumed:
                 group.in_flight = None
                 group.entries.appendleft((claim, job))  # still first in line
+                if group.freed:  # ask again now: no wake-up lost to the race
+                    group.freed = False
+                    self._next(keys)
+                    return
                 group.delay = min(group.delay * 2, MAX_RETRY)
             else:
                 group.entries.append((claim, job))
@@ -189,6 +196,7 @@ class PermitWaits:
         if not resumed or group is None:
             return
         group.in_flight = None
+        group.freed = False
         self.count -= 1
         self._warned.discard(id(claim))
         if claim.parked_at is not None and outcome == "started":
@@ -204,6 +212,8 @@ class PermitWaits:
         for keys, group in list(self.groups.items()):
             if freed.intersection(keys):
                 group.delay = FIRST_RETRY
+                if group.in_flight is not None:
+                    group.freed = True  # answered when that start comes back
                 self._next(keys)
 
     def _schedule(self, keys: tuple[str, ...], group: _Keys, delay: float) -> None:
