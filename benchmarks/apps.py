@@ -9,7 +9,10 @@ Configured entirely from the environment the runner sets:
 * ``BENCH_REDBEAT``: when set, beat uses RedBeat on ``BENCH_REDBEAT`` (a Redis URL).
 
 Every task that the runner times writes its own wall-clock time (one ``os.write``
-with ``O_APPEND``, so lines of concurrent processes never interleave).
+with ``O_APPEND``, so lines of concurrent processes never interleave). The ``span_*``
+tasks write when their body began and ended (the permits section counts how many ran
+at once from them); their limits come from ``pulse_concurrency_limits`` in
+``BENCH_CONF``, so a limited and an unlimited run execute the very same task.
 """
 
 from __future__ import annotations
@@ -82,6 +85,34 @@ def noop_late() -> None:
 @app.task(name="bench.sleep_late", acks_late=True)
 def sleep_late(ms: float) -> None:
     time.sleep(ms / 1000.0)
+
+
+#: This process's descriptor of each span journal (opened at its first span): one
+#: ``write`` per task, no ``open``/``close``, so recording costs the body next to nothing.
+_SPAN_FDS: dict[str, int] = {}
+
+
+def span(path: str, started: float) -> None:
+    """Append ``<started> <now>`` (the body's start and end) to ``path`` in one write."""
+    ended = time.time()
+    fd = _SPAN_FDS.get(path)
+    if fd is None:
+        fd = _SPAN_FDS[path] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{started:.6f} {ended:.6f}\n".encode())
+
+
+@app.task(name="bench.span_noop")
+def span_noop(path: str) -> None:
+    """``noop`` that records when its body ran (the permits section limits this kind)."""
+    span(path, time.time())
+
+
+@app.task(name="bench.span_sleep")
+def span_sleep(path: str, ms: float) -> None:
+    """``sleep`` that records when its body ran (the permits section limits this kind)."""
+    started = time.time()
+    time.sleep(ms / 1000.0)
+    span(path, started)
 
 
 @app.task(name="bench.stop")

@@ -163,6 +163,9 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
         dup = sum(c["duplicates"] for c in fo["cases"] if c["scenario"].startswith("pulse"))
         rows.append(["Periodic slots fired twice across failovers (pulse)", str(dup), "—", "—", "0",
                      verdict(dup == 0)])
+    pm = sec.get("permits")
+    if _ok(pm):
+        rows += permits_rows(pm)
     ll = sec.get("leaseloss")
     if _ok(ll):
         rows.append(["Store-side takeover → LeaseLost in the task (median / max)",
@@ -285,6 +288,54 @@ def results_rows(tp: dict[str, Any]) -> list[list[str]]:
         rows.append([f"Issue 17: {labels[noop]}, pulse + pulse:// vs {what}",
                      f"{num(mine['rate'])} tasks/s", f"{num(theirs['rate'])} tasks/s",
                      ratio(value), f"≥ {target}{X}", verdict(value >= target)])
+    return rows
+
+
+#: The permits section's variants (issue 19), and what each row means.
+PERMIT_VARIANTS = ("unlimited", "limit-1000", "limit-2", "limit-1")
+
+
+def permit_label(variant: str) -> str:
+    """``unlimited``, ``limit 1,000``, ..."""
+    return variant if variant == "unlimited" else f"limit {int(variant.split('-')[1]):,}"
+
+
+def _permit_row(pm: dict[str, Any], workload: str, variant: str) -> dict[str, Any] | None:
+    return next((r for r in pm["summary"] if r["workload"] == workload
+                 and r["variant"] == variant), None)
+
+
+def _permit_overrun(pm: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows where more bodies ran at once than the limit allows."""
+    return [r for r in pm["summary"] if r["limit"] is not None
+            and r["most_at_once"] > r["limit"]]
+
+
+def permits_rows(pm: dict[str, Any]) -> list[list[str]]:
+    """Issue 19: what a limit that never binds costs, limit 1 on timed tasks, and the
+    limits kept (no overrun, nothing left held)."""
+    rows: list[list[str]] = []
+    labels = pm["workloads"]
+    for workload in labels:
+        base = _permit_row(pm, workload, "unlimited")
+        for variant in ("limit-1000", "limit-1"):
+            row = _permit_row(pm, workload, variant)
+            if base is None or row is None or (variant == "limit-1"
+                                               and not workload.startswith("sleep")):
+                continue
+            what = ("a limit that never binds (1,000)" if variant == "limit-1000"
+                    else "limit 1 (one at a time)")
+            rows.append([f"Issue 19: {labels[workload]}, {what}, vs the unlimited kind",
+                         f"{num(row['rate'])} tasks/s", f"{num(base['rate'])} tasks/s",
+                         ratio(row["ratio"]), "—", "—"])
+    over = _permit_overrun(pm)
+    limited = [r for r in pm["summary"] if r["limit"] is not None]
+    rows.append(["Issue 19: most tasks running at once above their limit (all runs)",
+                 str(max((r["most_at_once"] - r["limit"] for r in limited), default=0)
+                     if over else 0), "—", "—", "0", verdict(not over)])
+    left = sum(r["held_left"] + r["waiting_left"] + r["live_left"] for r in pm["summary"])
+    rows.append(["Issue 19: permits held, tasks waiting or claims live after the runs",
+                 str(left), "—", "—", "0", verdict(left == 0)])
     return rows
 
 
@@ -514,6 +565,34 @@ def plot_memory(tp: dict[str, Any], img: Path) -> str:
     return _save(fig, img, "memory.png")
 
 
+def plot_permits(pm: dict[str, Any], img: Path) -> str:
+    workloads = list(pm["workloads"])
+    variants = [v for v in PERMIT_VARIANTS if any(r["variant"] == v for r in pm["summary"])]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(variants)
+    colors = dict(zip(PERMIT_VARIANTS, ("#8c8c8c", "#1f77b4", "#ff7f0e", "#d62728"),
+                      strict=True))
+    for i, variant in enumerate(variants):
+        xs = [g + (i - (len(variants) - 1) / 2) * width for g in range(len(workloads))]
+        rows = [_permit_row(pm, w, variant) for w in workloads]
+        values = [r["ratio"] if r and r["ratio"] is not None else 0 for r in rows]
+        bars = ax.bar(xs, values, width, label=permit_label(variant), color=colors[variant])
+        for bar, row in zip(bars, rows, strict=True):
+            if row:
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + 0.02,
+                        f"{num(row['rate'])}/s", ha="center", fontsize=7)
+    ax.axhline(0.5, color="#d62728", linestyle=":", linewidth=1,
+               label=f"0.5{X}: one of {pm['concurrency']} processes at work")
+    ax.set_xticks(range(len(workloads)), [pm["workloads"][w] for w in workloads])
+    top = max([1.0, *(r["ratio"] or 0 for r in pm["summary"])])
+    ax.set_ylim(0, 1.45 * top)  # room for the legend above the bars
+    ax.set_ylabel("tasks/s vs the unlimited kind")
+    ax.set_title(f"A limited task kind vs an unlimited one, -P pulse -c {pm['concurrency']} "
+                 f"(median of per-repeat ratios; labels: tasks/s)")
+    ax.legend(fontsize=8, ncol=3, loc="upper right")
+    return _save(fig, img, "permits.png")
+
+
 # -- the markdown ----------------------------------------------------------------------------
 def _section(lines: list[str], results: dict[str, Any], key: str, title: str,
              body: Callable[[dict[str, Any], list[str]], None]) -> None:
@@ -589,6 +668,8 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
     _section(lines, results, "throughput", "7. Memory",
              lambda d, ls: _md_memory(d, ls, img))
     _section(lines, results, "drivers", "8. MySQL/MariaDB drivers", _md_drivers)
+    _section(lines, results, "permits", "9. Concurrency permits: a limited task kind vs an "
+             "unlimited one", lambda d, ls: _md_permits(d, ls, img))
     lines += ["", "## How the runner measures", "",
               "- Every broker queue, PostgreSQL schema, MariaDB database and SQLite file is fresh "
               "per run and migrated first; every process the runner starts lives in its own process group "
@@ -1161,3 +1242,109 @@ def _md_drivers(dr: dict[str, Any], lines: list[str]) -> None:
            f"A gain of {ratio(gain)} is worth a compiler and client headers: prefer "
            f"{DRIVER_NAMES[quick['driver']]} where it installs; PyMySQL stays the default "
            f"(`mysql://`) because it installs everywhere."))
+
+
+def _md_permits(pm: dict[str, Any], lines: list[str], img: Path) -> None:
+    c = pm["concurrency"]
+    rows = []
+    for r in pm["summary"]:
+        cpu = r["cpu_ms_per_task"]
+        rows.append([pm["workloads"][r["workload"]], permit_label(r["variant"]), num(r["rate"]),
+                     ", ".join(num(x) for x in r["rates"]),
+                     ratio(r["ratio"]) if r["variant"] != "unlimited" else f"1.00{X} (baseline)",
+                     f"{r['most_at_once']}" + (f" of {r['limit']:,}" if r["limit"] else ""),
+                     "—" if r.get("handover_ms") is None else
+                     f"{r['handover_ms'][0]:.1f} / {r['handover_ms'][1]:.1f}",
+                     f"{r['held_left']} / {r['waiting_left']}", str(r["hold_rows_left"]),
+                     f"{cpu['parent']:.2f} / {cpu['children']:.2f} / {store_cpu(cpu):.2f}"])
+    lines += [
+        f"N tasks of one kind are published to a fresh queue, then one `-P pulse -c {c}` "
+        f"worker (RabbitMQ, a fresh PostgreSQL store) is started on it, as in section 1. "
+        f"The kind's limit is declared with `pulse_concurrency_limits` (the task option "
+        f"`pulse_concurrency` by another name), so every row runs the very same task. Each "
+        f"body writes when it began and ended (one `write` on a descriptor it keeps open), "
+        f"whatever the row: rate = N / (last body's end - `worker_ready`); \"most at once\" "
+        f"is the most bodies whose spans overlap. A final `stop` task would not do here: "
+        f"unlimited, it can start while limited tasks still wait in the worker. The four "
+        f"rows run one after another in each repeat ({pm['repeats']}); the ratio is the "
+        f"median of per-repeat ratios to the unlimited kind. After the last body the runner "
+        f"waits for every claim to be final, then reads the store: permits still held and "
+        f"tasks still waiting for one (both must be 0), and rows left in "
+        f"`pulse_permit_holds` (past attempts' rows hold nothing; the key's next start or "
+        f"retention drops them)."
+        + (f" {pm['disturbed_attempts']} run(s) were disturbed from outside and measured "
+           f"again." if pm.get("disturbed_attempts") else ""),
+        "",
+        "- **unlimited**: no limit declared anywhere: the baseline.",
+        "- **limit 1,000**: the same task under a limit it never reaches: the pure cost of "
+        "taking a permit at each start and giving it back at each completion.",
+        f"- **limit {c}**: the limit equals the worker's concurrency: it binds whenever "
+        f"every pool process is busy, which the pool would enforce anyway.",
+        f"- **limit 1**: one at a time across the cluster (hand-over: from one body's end "
+        f"to the next one's start), so {c - 1} of the {c} processes "
+        f"idle: about {1 / c:.1f}{X} on timed tasks at best.",
+        "",
+        table(rows, ["Workload", "Task kind", "tasks/s (median)", "runs", "vs unlimited",
+                     "most at once", "hand-over ms (median / p95)", "held / waiting left",
+                     "hold rows left",
+                     "CPU ms/task parent / children / store server"]),
+        "", f"![permits]({plot_permits(pm, img)})", ""]
+    lines.append("**What this means.** " + _permits_meaning(pm))
+
+
+def _permits_meaning(pm: dict[str, Any]) -> str:
+    """The paragraph under the permits table, chosen by its numbers."""
+    c = pm["concurrency"]
+    labels = pm["workloads"]
+    parts = []
+    for workload in labels:
+        base = _permit_row(pm, workload, "unlimited")
+        free = _permit_row(pm, workload, "limit-1000")
+        if base is None or free is None or free["ratio"] is None:
+            continue
+        text = (f"On {labels[workload]}, a limit that never binds runs "
+                f"{ratio(free['ratio'])} the unlimited kind's rate ({num(free['rate'])} vs "
+                f"{num(base['rate'])} tasks/s)")
+        if workload.startswith("sleep"):
+            text += (f": each task keeps a pool process {1000 * c / free['rate']:.1f} ms "
+                     f"instead of {1000 * c / base['rate']:.1f} ms")
+        else:
+            mine, theirs = free["cpu_ms_per_task"], base["cpu_ms_per_task"]
+            text += (f"; per task the worker's parent spends {mine['parent']:.2f} ms of CPU "
+                     f"instead of {theirs['parent']:.2f} and PostgreSQL "
+                     f"{store_cpu(mine):.2f} ms instead of {store_cpu(theirs):.2f}")
+        parts.append(text + ". ")
+    text = "".join(parts)
+    if parts:
+        text += ("A limited task is never started ahead of the pool nor in its reservation's "
+                 "statement: its start, a transaction of its own that locks the key's row "
+                 "and counts its holders, is asked for only once a pool process is free for "
+                 "it, and that process waits for the answer, where an unlimited task's start "
+                 "was made before a process asked for it. ")
+    for workload in labels:
+        one = _permit_row(pm, workload, "limit-1")
+        if one is None or one["ratio"] is None or not workload.startswith("sleep"):
+            continue
+        text += (f"Limit 1 on {labels[workload]} runs {ratio(one['ratio'])} the unlimited "
+                 f"rate (one process at a time: {1 / c:.1f}{X} at best)")
+        text += ". "
+    handovers = [(labels[r["workload"]], *r["handover_ms"]) for r in pm["summary"]
+                 if r["variant"] == "limit-1" and r.get("handover_ms") is not None]
+    if handovers:
+        text += ("Under limit 1, one body's end and the next one's start are "
+                 + " and ".join(f"{median:.1f} ms apart on {label} (median; 95th percentile "
+                                f"{p95:.1f} ms)" for label, median, p95 in handovers)
+                 + ": the completion gives the permit back, then the next waiting task asks "
+                 "for it and is handed to a process. ")
+    over = _permit_overrun(pm)
+    left = [r for r in pm["summary"] if r["held_left"] or r["waiting_left"] or r["live_left"]]
+    text += ("No run had more bodies at once than its limit" if not over else
+             "**More bodies ran at once than the limit allows in "
+             + ", ".join(f"{labels[r['workload']]}, {permit_label(r['variant'])} "
+                         f"({r['most_at_once']})" for r in over) + "**")
+    text += (", and no permit was left held nor any task left waiting." if not left else
+             "; **permits were left held or tasks waiting after "
+             + ", ".join(f"{labels[r['workload']]}, {permit_label(r['variant'])} "
+                         f"({r['held_left']} held, {r['waiting_left']} waiting, "
+                         f"{r['live_left']} claims live)" for r in left) + "**.")
+    return text

@@ -21,6 +21,7 @@ from benchmarks import (
     failover,
     infra,
     leaseloss,
+    permits,
     profile,
     recovery,
     report,
@@ -38,6 +39,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "failover": failover.run,
     "leaseloss": leaseloss.run,
     "drivers": drivers.run,
+    "permits": permits.run,
 }
 
 

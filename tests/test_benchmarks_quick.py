@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,17 +38,40 @@ def test_benchmark_quick_mode_runs_and_writes_its_report(tmp_path: Path) -> None
     assert "python -m benchmarks run --quick" in page
     for section in ("1. Throughput", "2. SQL cost", "3. Store scale", "4. Recovery",
                     "5. Leader failover", "6. Lease-loss reaction", "7. Memory",
-                    "8. MySQL/MariaDB drivers"):
+                    "8. MySQL/MariaDB drivers", "9. Concurrency permits"):
         assert f"## {section}" in page, section
     assert "This section failed" not in page
     # Issue 17: pulse with result_backend = "pulse://" ran (every result checked in the store).
     assert "pulse + pulse:// vs pulse without results" in page
-    assert page.count("**What this means.**") >= 8
+    assert page.count("**What this means.**") >= 9
     # Raw results and the plots the page links to.
     results = json.loads((out / "benchmarks.json").read_text())
     assert not [k for k, v in results["sections"].items() if "error" in v]
     for image in ("throughput", "cpu_per_task", "sql_cost", "store_scale", "recovery",
-                  "failover", "lease_loss", "memory"):
+                  "failover", "lease_loss", "memory", "permits"):
         png = out / "img" / f"{image}.png"
         assert png.stat().st_size > 1000, png
         assert f"img/{image}.png" in page
+    check_permits(page, results["sections"]["permits"])
+
+
+def check_permits(page: str, pm: dict[str, Any]) -> None:
+    """Issue 19's section: every row measured, limits kept, nothing left held or waiting."""
+    section = page.split("## 9. Concurrency permits", 1)[1].split("\n## ", 1)[0]
+    for label in pm["workloads"].values():
+        for kind in ("unlimited", "limit 1,000", "limit 2", "limit 1"):
+            assert f"| {label} | {kind} |" in section, (label, kind)
+    assert "**unlimited**" in section and "**limit 1,000**" in section
+    assert "Issue 19: permits held, tasks waiting or claims live after the runs" in page
+    rows = pm["summary"]
+    assert len(rows) == 4 * len(pm["workloads"])
+    for row in rows:
+        what = (row["workload"], row["variant"])
+        assert row["rate"] > 0, what
+        assert 1 <= row["most_at_once"] <= pm["concurrency"], what
+        if row["limit"] is not None:
+            assert row["most_at_once"] <= row["limit"], what
+            assert row["ratio"] is not None and row["ratio"] > 0, what
+        assert (row["held_left"], row["waiting_left"], row["live_left"]) == (0, 0, 0), what
+    for run in pm["runs"]:
+        assert run["spans"] == run["succeeded"] == run["n"], run
