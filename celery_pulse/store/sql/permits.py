@@ -61,9 +61,12 @@ def holders(conn: sa.Connection, keys: Sequence[str]) -> dict[str, int]:
 def drop_past(conn: sa.Connection, keys: Sequence[str] | None = None, limit: int = 500) -> int:
     """Forget rows whose claim moved on from the epoch that asked (they hold nothing)."""
     live = sa.exists().where(_SAME_ATTEMPT, claims.c.state.in_(LIVE_STATES))
-    if keys is not None:  # the keys' rows are locked by the caller: few, recent
+    if keys is not None:
+        # Before a start (the keys' rows locked by the caller): only held rows, the ones
+        # holders() joins; a key's waiters (up to a backlog per worker) are not read for
+        # each start, their past rows wait for retention.
         return int(conn.execute(sa.delete(permit_holds).where(
-            permit_holds.c.key.in_(list(keys)), ~live)).rowcount)
+            permit_holds.c.key.in_(list(keys)), permit_holds.c.held, ~live)).rowcount)
     past = list(conn.execute(sa.select(permit_holds.c.key, permit_holds.c.task_id)
                              .where(~live).limit(limit)))
     if not past:
@@ -150,7 +153,8 @@ def _pg_sql(now: str) -> dict[str, str]:
             "ON CONFLICT (key) DO UPDATE SET max_running = EXCLUDED.max_running, "
             "updated_at = EXCLUDED.updated_at"),
         "drop_past": (
-            "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND NOT EXISTS "
+            "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND h.held "
+            "AND NOT EXISTS "
             "(SELECT 1 FROM pulse_claims c WHERE c.task_id = h.task_id AND c.epoch = h.epoch "
             f"AND c.state IN {live})"),
         "holders": (

@@ -197,8 +197,8 @@ permits = sa.Table(
 #: permit while its claim is ``running`` under that epoch: every statement that moves a
 #: claim on gives the permit back by itself, so a permit is never given back twice. A
 #: row not held says the claim, ``reserved`` under that epoch, waits for the key (shown,
-#: never counted). Rows of past epochs are dropped by the next start of their key and by
-#: retention.
+#: never counted). Held rows of past epochs are dropped by the next start of their key,
+#: every past row by retention.
 permit_holds = sa.Table(
     "pulse_permit_holds",
     metadata,
