@@ -17,6 +17,15 @@ logger = logging.getLogger(__name__)
 STALE = 0.5
 
 
+class _Kept:
+    """A timer of :meth:`LoopCaller.later_kept` (hashed by identity)."""
+
+    __slots__ = ("args", "due", "fn")
+
+    def __init__(self, due: float, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.due, self.fn, self.args = due, fn, args
+
+
 class LoopCaller:
     """FIFO hand-off to the hub (``hub.call_soon`` itself keeps no order).
 
@@ -33,6 +42,7 @@ class LoopCaller:
         self._scheduled = False
         self._scheduled_at = 0.0
         self._monotonic = monotonic
+        self._kept: set[_Kept] = set()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         if self.hub is None:
@@ -48,12 +58,17 @@ class LoopCaller:
 
     def rearm(self) -> None:
         """Schedule a drain whatever became of the last one (after a broker reconnect,
-        the hub may have dropped it); a spare drain finds nothing and returns."""
+        the hub may have dropped it); a spare drain finds nothing and returns. Timers of
+        :meth:`later_kept` not run yet are scheduled again (each still runs once)."""
         if self.hub is None:
             return
+        now = self._monotonic()
         with self._lock:
-            self._scheduled, self._scheduled_at = True, self._monotonic()
+            self._scheduled, self._scheduled_at = True, now
+            kept = list(self._kept)
         self.hub.call_soon(self._drain)
+        for entry in kept:
+            self.call(self.hub.call_later, max(0.0, entry.due - now), self._fire_kept, entry)
 
     def later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         if self.hub is None:
@@ -62,6 +77,25 @@ class LoopCaller:
             timer.start()
         else:
             self.call(self.hub.call_later, delay, fn, *args)
+
+    def later_kept(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        """:meth:`later`, for what must run even across a broker reconnect: Celery before
+        5.6 clears the hub's timers on a reconnect (a permit waiter's retry lost there
+        kept its keys' turn for good). :meth:`rearm` schedules it again."""
+        if self.hub is None:
+            self.later(delay, fn, *args)
+            return
+        entry = _Kept(self._monotonic() + delay, fn, args)
+        with self._lock:
+            self._kept.add(entry)
+        self.call(self.hub.call_later, delay, self._fire_kept, entry)
+
+    def _fire_kept(self, entry: _Kept) -> None:
+        with self._lock:
+            if entry not in self._kept:
+                return  # ran already (its timer survived the reconnect too)
+            self._kept.discard(entry)
+        entry.fn(*entry.args)
 
     def _drain(self) -> None:
         while True:

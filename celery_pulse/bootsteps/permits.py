@@ -219,7 +219,7 @@ class PermitWaits:
     def _schedule(self, keys: tuple[str, ...], group: _Keys, delay: float) -> None:
         if not group.timer:
             group.timer = True
-            self._loop().later(delay, self._tick, keys)
+            self._loop().later_kept(delay, self._tick, keys)
 
     def _tick(self, keys: tuple[str, ...]) -> None:
         group = self.groups.get(keys)

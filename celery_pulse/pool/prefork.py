@@ -123,7 +123,7 @@ class TaskPool(prefork.TaskPool):
         if isinstance(result, PulseError) and self.pulse.keeper.is_live(claim):
             logger.warning("pulse: starting task %s failed, retrying: %s", claim.task_id, result)
             self._release_permit()  # a pool process is not kept waiting for the store
-            self.pulse.loop.later(0.2, self._retry_start, claim, job)
+            self.pulse.loop.later_kept(0.2, self._retry_start, claim, job)
             return None
         if result == WAITING:
             # No free concurrency permit: the process goes back to other work, the task

@@ -75,3 +75,52 @@ def test_without_a_hub_calls_run_inline() -> None:
     seen: list[int] = []
     LoopCaller(None).call(seen.append, 1)
     assert seen == [1]
+
+
+class TimerHub(Hub):
+    """... with kombu's timers: ``call_later`` entries the test fires, and ``clear()``
+    as Celery before 5.6 does to the hub's timer on a broker reconnect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+
+    def call_later(self, delay: float, fn: Any, *args: Any) -> None:
+        self.timers.append((delay, fn, args))
+
+    def fire_all(self) -> None:
+        timers, self.timers = self.timers, []
+        for _delay, fn, args in timers:
+            fn(*args)
+
+
+def test_a_kept_timer_cleared_by_a_reconnect_runs_once_after_rearm() -> None:
+    hub, clock, seen = TimerHub(), Clock(), []
+    caller = LoopCaller(hub, clock)
+    caller.later_kept(1.0, seen.append, "retry")
+    caller.later(1.0, seen.append, "plain")
+    hub.run()  # the call_later calls reach the hub
+    assert len(hub.timers) == 2
+    hub.timers.clear()  # the reconnect
+    clock.now += 0.4
+    caller.rearm()
+    hub.run()
+    assert [round(delay, 6) for delay, _, _ in hub.timers] == [0.6], "the kept one, as due"
+    hub.fire_all()
+    assert seen == ["retry"]
+
+
+def test_a_kept_timer_that_survived_the_reconnect_still_runs_once() -> None:
+    hub, clock, seen = TimerHub(), Clock(), []
+    caller = LoopCaller(hub, clock)
+    caller.later_kept(1.0, seen.append, "retry")
+    hub.run()
+    caller.rearm()  # Celery 5.6+ keeps the hub's timers: now it is scheduled twice
+    hub.run()
+    assert len(hub.timers) == 2
+    hub.fire_all()
+    assert seen == ["retry"]
+    caller.rearm()  # nothing left to schedule again
+    hub.run()
+    assert hub.timers == []
+

@@ -92,6 +92,8 @@ class _Loop:
     def later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         self.timers.append((delay, fn, args))
 
+    later_kept = later
+
     def fire(self) -> float:
         delay, fn, args = self.timers.pop(0)
         fn(*args)
