@@ -107,17 +107,31 @@ class Cluster:
 
 
 class Nemesis(threading.Thread):
-    """Every 2 to 4 s one fault, chosen by a seeded RNG; faults heal before the next."""
+    """Every 2 to 4 s one fault, chosen by a seeded RNG; faults heal before the next.
+
+    With ``holders`` (the names of the workers running a limited task now), half of the
+    SIGKILLs and SIGSTOPs aim at one of them when there is one: a permit must come back
+    with Recover's takeover and a stale holder must free nothing, which only a fault
+    that hits a holder exercises. The RNG draws the same numbers either way, so a seed
+    replays the same sequence of actions.
+    """
+
+    #: The share of kills and pauses aimed at a permit holder (when there is one).
+    AIM = 0.5
 
     def __init__(self, seed: int, cluster: Cluster, store: PrivateServer,
-                 broker_fault: Callable[[], None], duration: float) -> None:
+                 broker_fault: Callable[[], None], duration: float,
+                 holders: Callable[[], list[str]] | None = None) -> None:
         super().__init__(name="nemesis", daemon=True)
         self.rng = random.Random(seed)
         self.cluster = cluster
         self.store = store
         self.broker_fault = broker_fault
         self.duration = duration
+        self.holders = holders
         self.log: list[str] = []
+        #: Kills and pauses that hit a worker running a limited task.
+        self.aimed = 0
         self.error: BaseException | None = None
         self._stop_event = threading.Event()
 
@@ -143,13 +157,23 @@ class Nemesis(threading.Thread):
             if step == store_at:
                 action = "store"
             name = self.rng.choice(names)
+            aim = self.rng.random()
+            why = ""
+            if action in ("kill", "pause") and aim < self.AIM:
+                holding = self._holding(names)
+                if holding:
+                    name = holding[int(aim / self.AIM * len(holding))]
+                    why = " (running faultapp.limited: holds a permit)"
+                    self.aimed += 1
+                else:
+                    why = " (aimed at a permit holder: none running)"
             if action == "kill":
-                self.note(f"SIGKILL {name}")
+                self.note(f"SIGKILL {name}{why}")
                 self.cluster.kill(name)
                 self._stop_event.wait(1.0)
                 self.cluster.spawn(name)
             elif action == "pause":
-                self.note(f"SIGSTOP {name} for 5s")
+                self.note(f"SIGSTOP {name} for 5s{why}")
                 self.cluster.pause(name)
                 self._stop_event.wait(5.0)
                 self.cluster.resume(name)
@@ -161,6 +185,25 @@ class Nemesis(threading.Thread):
                 self.store.stop()
                 self._stop_event.wait(4.0)
                 self.store.start()
+
+    def _holding(self, names: list[str], patience: float = 2.0) -> list[str]:
+        """The workers running a limited task now, waiting up to ``patience`` seconds for
+        one (none if the question fails: then the fault hits the worker drawn at
+        random)."""
+        if self.holders is None:
+            return []
+        give_up = time.monotonic() + patience
+        while not self._stop_event.is_set():
+            try:
+                found = set(self.holders())
+            except Exception as exc:  # the history is only a hint here
+                self.note(f"permit holders unknown: {exc!r}")
+                return []
+            holding = [n for n in names if n in found and n not in self.cluster.paused]
+            if holding or time.monotonic() >= give_up:
+                return holding
+            self._stop_event.wait(0.2)
+        return []
 
     def stop(self) -> None:
         self._stop_event.set()

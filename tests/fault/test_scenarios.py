@@ -1,9 +1,16 @@
 """Fault injection with a history checker: nothing lost, nothing run twice.
 
 Three workers run a steady stream of mixed tasks (short, long > lease TTL,
-non-idempotent, retrying) and a 1 s beat schedule while a seeded nemesis SIGKILLs
-and SIGSTOPs workers, drops the broker and stops the store. Then the checker reads
-the history and the store and asserts every invariant (see ``checker.check``).
+non-idempotent, retrying, and limited to 2 at once across the cluster by
+``pulse_concurrency``) and a 1 s beat schedule while a seeded nemesis SIGKILLs and
+SIGSTOPs workers (half of the time one running a limited task, when there is one),
+drops the broker and stops the store. Then the checker reads the history and the store
+and asserts every invariant (see ``checker.check``), the limit's among them: never more
+than 2 limited executions holding a permit at once, no permit leaked at the end (no
+permit row of a live claim in the store, no worker still counting a waiter). A failed
+run prints (and writes to ``diagnosis.txt`` next to the worker logs) what it can about
+the unsettled tasks: their claims and permit rows, the workers' logs about them, the
+broker's queue, ``pulse status`` and ``inspect stats/reserved/active``.
 
 The store is a private PostgreSQL server; the RabbitMQ scenario runs on a private
 MariaDB server too. The history stays on the shared PostgreSQL: the nemesis never
@@ -16,8 +23,11 @@ Replay a run with ``PULSE_FAULT_SEED=<seed>``; soak by hand with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import random
+import subprocess
 import threading
 import time
 import uuid
@@ -28,7 +38,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from tests.fault.checker import ClaimState, Event, Report, check
+from celery_pulse.store.sql.tables import permit_holds
+from tests.fault.checker import ClaimState, Event, PermitHold, Report, check, ghost_waiters
 from tests.fault.nemesis import Cluster, Nemesis, PrivateRedis, rabbit_fault, redis_fault
 from tests.helpers import services
 from tests.helpers.mariadb import PRIVATE_SERVERS, PrivateServer
@@ -41,6 +52,15 @@ TIMINGS = {"pulse_worker_ttl": 3, "pulse_heartbeat_interval": 0.5, "pulse_lease_
            "pulse_leader_ttl": 3, "pulse_leader_interval": 1, "pulse_beat_catchup": "all",
            "pulse_max_attempts": 25, "pulse_store_connect_timeout": 30,
            "broker_connection_retry": True, "worker_prefetch_multiplier": 2}
+#: Seconds every submitted task gets to settle once the faults stopped. On Redis a
+#: delivery caught in flight by a broker restart (e.g. a task's own retry, whose claim
+#: is ``open`` waiting for Celery's message) comes back only when kombu restores it:
+#: ``visibility_timeout`` (30 s under pulse) plus its throttled scan (every 10th call
+#: of a 10 s timer, so up to ~100 s more). Seen: 122 s.
+SETTLE = 180.0
+#: The limited kind and its limit (``pulse_concurrency`` in tests/apps/faultapp.py).
+LIMITED = "faultapp.limited"
+LIMITS = {LIMITED: 2}
 
 
 @pytest.fixture
@@ -51,7 +71,8 @@ def history() -> Iterator[str]:
     with engine.begin() as conn:
         conn.execute(sa.text("create table fault_events (id bigserial primary key, kind text, "
                              "task_id text, epoch bigint, worker text, pid int, "
-                             "at timestamptz, extra text)"))
+                             "at timestamptz, extra text, name text, attempt text)"))
+        conn.execute(sa.text("create index on fault_events (attempt)"))
     engine.dispose()
     try:
         yield schema.url
@@ -86,10 +107,13 @@ class Producer(threading.Thread):
             end = time.monotonic() + self.duration
             while time.monotonic() < end:
                 task_id = str(uuid.uuid4())
-                kind = self.rng.choices(["short", "long", "review", "flaky"],
-                                        [50, 20, 15, 15])[0]
+                kind = self.rng.choices(["short", "long", "review", "flaky", "limited"],
+                                        [40, 16, 12, 12, 20])[0]
+                # limited: ~0.8/s of ~1.25 s each against 2 permits: often full, so
+                # some wait for a permit, and still drained between faults.
                 args: list[Any] = {"long": [self.rng.uniform(3.5, 6.0)],
-                                   "review": [self.rng.uniform(0.5, 4.0)]}.get(kind, [])
+                                   "review": [self.rng.uniform(0.5, 4.0)],
+                                   "limited": [self.rng.uniform(0.5, 2.0)]}.get(kind, [])
                 app.send_task(f"faultapp.{kind}", args=args, task_id=task_id,
                               queue=self.env.queue, retry=True,
                               retry_policy={"max_retries": 30, "interval_start": 0.2,
@@ -100,8 +124,18 @@ class Producer(threading.Thread):
             self.error = exc
 
 
-def _read_state(env: Env, history: str) -> tuple[list[ClaimState], list[Event],
-                                                  list[tuple[str, int]], list[tuple[str, str]]]:
+@dataclasses.dataclass
+class State:
+    """What the checker reads at the end: the store's tables and the history."""
+
+    claims: list[ClaimState]
+    events: list[Event]
+    effects: list[tuple[str, int]]
+    slots: list[tuple[str, str]]
+    permit_holds: list[PermitHold]
+
+
+def _read_state(env: Env, history: str) -> State:
     store = sa.create_engine(env.store_url)
     hist = sa.create_engine(history)
     with store.connect() as conn:
@@ -111,15 +145,52 @@ def _read_state(env: Env, history: str) -> tuple[list[ClaimState], list[Event],
             sa.text("select task_id, epoch from fault_effects"))]
         slots = [(r.entry, str(r.due_at)) for r in conn.execute(
             sa.text("select entry, due_at from pulse_beat_slots"))]
+        holds = [PermitHold(r.key, r.task_id, int(r.epoch), bool(r.held))
+                 for r in conn.execute(sa.select(permit_holds))]
     with hist.connect() as conn:
-        events = [Event(r.kind, r.task_id, int(r.epoch), int(r.extra or 0)) for r in
-                  conn.execute(sa.text("select kind, task_id, epoch, extra from fault_events "
-                                       "where kind <> 'tick'"))]
+        events = [Event(r.kind, r.task_id, int(r.epoch), int(r.extra or 0)
+                        if r.kind == "start" else 0, r.name or "", float(r.at), r.attempt or "",
+                        r.worker or "")
+                  for r in conn.execute(sa.text(
+                      "select kind, task_id, epoch, extra, name, extract(epoch from at) as at, "
+                      "attempt, worker from fault_events where kind <> 'tick' order by id"))]
         events += [Event("tick", r.task_id, int(r.epoch)) for r in conn.execute(
             sa.text("select task_id, epoch from fault_events where kind = 'tick'"))]
     store.dispose()
     hist.dispose()
-    return claims, events, effects, slots
+    return State(claims, events, effects, slots, holds)
+
+
+def _worker_stats(env: Env, patience: float = 15.0) -> dict[str, Any]:
+    """Every worker's ``inspect stats``, asked again for up to ``patience`` seconds while
+    one still counts a permit waiter (a dropped waiter leaves the count at its turn)."""
+    give_up = time.monotonic() + patience
+    while True:
+        proc = env.celery("inspect", "stats", "--json", "--timeout", "5")
+        try:
+            stats: dict[str, Any] = json.loads(proc.stdout or "{}")
+        except ValueError:
+            stats = {}
+        if not ghost_waiters(stats) or time.monotonic() >= give_up:
+            return stats
+        time.sleep(1.0)
+
+
+def _permit_holders(history: str) -> Callable[[], list[str]]:
+    """The nemesis's view of who holds a permit: workers whose limited execution wrote a
+    mark in the last second (a running body marks every 0.3 s) and has not ended."""
+    engine = sa.create_engine(history, poolclass=sa.pool.NullPool)
+
+    def holders() -> list[str]:
+        with engine.connect() as conn:
+            return list(conn.execute(sa.text(
+                "select distinct s.worker from fault_events s where s.name = :n "
+                "and s.kind = 'start' and s.at > clock_timestamp() - interval '30 seconds' "
+                "and exists (select 1 from fault_events m where m.attempt = s.attempt "
+                "and m.at > clock_timestamp() - interval '1 second') "
+                "and not exists (select 1 from fault_events e where e.attempt = s.attempt "
+                "and e.kind in ('end', 'fence_rejected'))"), {"n": LIMITED}).scalars())
+    return holders
 
 
 def _settled(env: Env, submitted: list[str]) -> bool:
@@ -155,7 +226,8 @@ def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
         worker.wait_ready(60)
     started = time.monotonic()
     producer = Producer(seed, env, DURATION)
-    nemesis = Nemesis(seed, cluster, store, broker_fault, DURATION)
+    nemesis = Nemesis(seed, cluster, store, broker_fault, DURATION,
+                      holders=_permit_holders(history))
     producer.start()
     nemesis.start()
     producer.join(DURATION + 120)
@@ -167,25 +239,148 @@ def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
     submitted = producer.submitted
     # If they never settle, the checker below says exactly which are lost or stuck.
     with contextlib.suppress(AssertionError):
-        wait_for(lambda: _settled(env, submitted), 120, "every submitted task to settle",
+        wait_for(lambda: _settled(env, submitted), SETTLE, "every submitted task to settle",
                  interval=1.0)
-    claims, events, effects, slots = _read_state(env, history)
-    report = check(submitted, claims, events, effects, slots, slot_period=1.0)
+    state = _read_state(env, history)
+    report = check(submitted, state.claims, state.events, state.effects, state.slots,
+                   slot_period=1.0, limits=LIMITS, permit_holds=state.permit_holds,
+                   worker_stats=_worker_stats(env))
     elapsed = time.monotonic() - started
     if report.ticks > elapsed + 5:  # 1 s schedule: more ticks than seconds = fired early
         report.violations.append(f"{report.ticks} periodic ticks in {elapsed:.0f}s")
     logs = cluster.logs()
     report.duplicates_dropped = logs.count("duplicate delivery")
     report.recoveries = logs.count("pulse: recovered ")
-    print(f"[{name}] seed={seed} {report.summary()}")
+    print(f"[{name}] seed={seed} {report.summary()} aimed_at_holders={nemesis.aimed}")
     print("\n".join(f"  nemesis: {line}" for line in nemesis.log))
     for violation in report.violations[:20]:
         print(f"  VIOLATION {violation}")
+    states = {c.task_id: c.state for c in state.claims}
+    print("  permit rows left: " + (", ".join(
+        f"{h.key} {h.task_id} epoch {h.epoch} held={h.held} claim={states.get(h.task_id)}"
+        for h in state.permit_holds) or "none"))
+    if report.violations:
+        print(_diagnose(env, cluster, submitted, state))
     assert not report.violations, (f"[{name}] seed {seed}: {len(report.violations)} invariant "
                                    f"violation(s), first: {report.violations[:5]}")
     assert report.submitted >= DURATION  # the load actually ran
     assert any("store down" in line for line in nemesis.log), "the store was never stopped"
     return report
+
+
+def _diagnose(env: Env, cluster: Cluster, submitted: list[str], state: State) -> str:
+    """Evidence for a failed run: the unsettled claims with their permit rows, every
+    worker's state and what its log says about them, and ``pulse status``. Also written
+    to ``diagnosis.txt`` next to the worker logs (the test's tmp_path)."""
+    out: list[str] = [f"== diagnosis (worker logs and this file in {env.tmp})"]
+    terminal = ("succeeded", "failed", "needs_review")
+    by_id = {c.task_id: c for c in state.claims}
+    stuck = [t for t in submitted if t not in by_id or by_id[t].state not in terminal]
+    engine = sa.create_engine(env.store_url)
+    try:
+        with engine.connect() as conn:
+            out.append(f"store clock now: {conn.execute(sa.text(_NOW[conn.dialect.name])).scalar()}")
+            for task_id in stuck:
+                row = conn.execute(sa.text(
+                    "select task_id, task_name, state, holder, epoch, lease_until, attempts, "
+                    "retries, reserved_at, started_at, outcome, error from pulse_claims "
+                    "where task_id = :t"), {"t": task_id}).mappings().first()
+                out.append(f"unsettled {task_id}: {dict(row) if row else 'no claim'}")
+                for h in state.permit_holds:
+                    if h.task_id == task_id:
+                        out.append(f"    permit row {h}")
+            out.append("registered workers: " + ", ".join(
+                f"{r.worker_id} (heartbeat {r.last_heartbeat}, expires {r.expires_at}, "
+                f"draining={r.draining})" for r in conn.execute(
+                    sa.text("select * from pulse_workers"))))
+    except Exception as exc:  # evidence is best effort
+        out.append(f"store unreadable: {exc!r}")
+    finally:
+        engine.dispose()
+    out.append(f"permit rows left: {len(state.permit_holds)}; " + ", ".join(
+        f"{h.task_id[:8]}@{h.epoch}{'' if h.held else ' waiting'}" for h in state.permit_holds))
+    for name, worker in cluster.workers.items():
+        out.append(f"worker {name}: pid {worker.pid} exit={worker.proc.poll()} "
+                   f"log {worker.log_path}")
+    for worker in cluster.all:
+        lines = worker.log().splitlines()
+        hits = [ln for ln in lines if any(t in ln for t in stuck)]
+        if hits:
+            out.append(f"-- {worker.log_path.name}: {len(hits)} line(s) about unsettled tasks")
+            out += [f"   {ln}" for ln in hits[-60:]]
+    history = [e for e in state.events if e.task_id in stuck]
+    out.append(f"history of unsettled tasks: {len(history)} event(s)")
+    out += [f"   {e}" for e in history[-60:]]
+    proc = env.celery("pulse", "status")
+    out.append(f"pulse status (exit {proc.returncode}):\n{proc.stdout}{proc.stderr[-2000:]}")
+    out += _broker_state(env, cluster, stuck)
+    for command in ("stats", "reserved", "active"):
+        proc = env.celery("inspect", command, "--json", "--timeout", "5")
+        out.append(f"inspect {command} (exit {proc.returncode}): {proc.stdout[-6000:]}"
+                   f"{proc.stderr[-1000:]}")
+    text = "\n".join(out)
+    (env.tmp / "diagnosis.txt").write_text(text)
+    return text
+
+
+def _broker_state(env: Env, cluster: Cluster, stuck: list[str]) -> list[str]:
+    """Where the unsettled tasks' messages are: ready in the queue, or delivered and not
+    acknowledged (and to which worker). Best effort."""
+    out: list[str] = []
+    try:
+        if env.broker_url.startswith("redis"):
+            import redis
+
+            client: Any = redis.Redis.from_url(env.broker_url, socket_timeout=5)
+            queued = [m.decode(errors="replace") for m in client.lrange(env.queue, 0, -1)]
+            unacked = {tag.decode(): raw.decode(errors="replace")
+                       for tag, raw in client.hgetall("unacked").items()}
+            since = {tag.decode(): score for tag, score in
+                     client.zrange("unacked_index", 0, -1, withscores=True)}
+            out.append(f"redis: {len(queued)} ready in {env.queue}, {len(unacked)} unacked")
+            for task_id in stuck:
+                ready = sum(task_id in m for m in queued)
+                held = [f"{tag} (since {since.get(tag)})" for tag, raw in unacked.items()
+                        if task_id in raw]
+                out.append(f"  {task_id}: ready x{ready}, unacked {held}")
+            client.close()
+        else:
+            ports = _worker_ports(cluster)
+            for args in (["list_queues", "name", "messages_ready", "messages_unacknowledged",
+                          "consumers"],
+                         ["list_channels", "connection", "name", "consumer_count",
+                          "messages_unacknowledged", "prefetch_count"]):
+                proc = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True,
+                                      text=True, timeout=60, check=False)
+                lines = proc.stdout.splitlines()
+                if args[0] == "list_queues":
+                    lines = [ln for ln in lines if env.queue in ln]
+                else:  # our workers' channels, named by the connection's client port
+                    lines = [f"{ln}  <- {name}" for ln in lines
+                             for port, name in ports.items() if f":{port} ->" in ln]
+                out.append(f"rabbitmqctl {args[0]}:")
+                out += [f"  {ln}" for ln in lines]
+    except Exception as exc:  # evidence is best effort
+        out.append(f"broker unreadable: {exc!r}")
+    return out
+
+
+def _worker_ports(cluster: Cluster) -> dict[int, str]:
+    """Local TCP ports of the live workers' main processes, by ``ss``."""
+    pids = {w.pid: name for name, w in cluster.workers.items() if w.proc.poll() is None}
+    proc = subprocess.run(["ss", "-tnpH"], capture_output=True, text=True, timeout=30,
+                          check=False)
+    ports: dict[int, str] = {}
+    for line in proc.stdout.splitlines():
+        for pid, name in pids.items():
+            if f"pid={pid}," in line:
+                local = line.split()[3]
+                ports[int(local.rsplit(":", 1)[1])] = name
+    return ports
+
+
+_NOW = {"postgresql": "select extract(epoch from clock_timestamp())",
+        "mysql": "select unix_timestamp(now(6))", "sqlite": "select 0"}
 
 
 @pytest.fixture
