@@ -111,6 +111,8 @@ class LocalClaim:
     permits: tuple[Permit, ...] | None = None
     #: When its start first found no free permit (monotonic), while it waits for one.
     parked_at: float | None = None
+    #: Starts of it the store failed in a row (the retry backs off on them).
+    start_failures: int = 0
     #: Opaque adapter data (the Celery request, the captured message, its verdict).
     request: Any = None
     message: Any = None
@@ -506,6 +508,14 @@ class LeaseKeeper:
                   starts: list[tuple[str, Any, Any, bool]]) -> PulseError | None:
         """One exchange with the store; answers every reservation and start, and the
         completions if it worked. Returns the failure (completions then still pending)."""
+        limited = [op for op in starts if op[1].permits]
+        if limited and len(limited) < len(starts) + len(completes) + len(reserves):
+            # Starts that need permits lock their keys in a transaction of their own:
+            # one failing there (a contended key) must not fail the others' exchange.
+            failure = self._exchange(completes, reserves,
+                                     [op for op in starts if not op[1].permits])
+            self._exchange([], [], limited)
+            return failure
         sent = self.monotonic()
         claims = [op[1] for op in starts]
         self.counters.exchanges += 1

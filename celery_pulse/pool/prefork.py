@@ -58,6 +58,12 @@ def _dropped_unwritten(job: Any) -> bool:
             and isinstance(cache, dict) and getattr(job, "_job", None) not in cache)
 
 
+#: Seconds before a start the store failed is asked again, doubling up to MAX_START_RETRY
+#: while it keeps failing (its lease, renewed meanwhile, bounds how long).
+START_RETRY = 0.2
+MAX_START_RETRY = 3.0
+
+
 class TaskPool(prefork.TaskPool):
     """Prefork pool that runs each leased task under its lease."""
 
@@ -121,10 +127,14 @@ class TaskPool(prefork.TaskPool):
         """On the loop: hand the job to a pool process, or drop it if the start failed."""
         target, args, kwargs, options = job
         if isinstance(result, PulseError) and self.pulse.keeper.is_live(claim):
-            logger.warning("pulse: starting task %s failed, retrying: %s", claim.task_id, result)
+            claim.start_failures += 1
+            delay = min(START_RETRY * 2 ** (claim.start_failures - 1), MAX_START_RETRY)
+            logger.warning("pulse: starting task %s failed, retrying in %gs: %s", claim.task_id,
+                           delay, result)
             self._release_permit()  # a pool process is not kept waiting for the store
-            self.pulse.loop.later_kept(0.2, self._retry_start, claim, job)
+            self.pulse.loop.later_kept(delay, self._retry_start, claim, job)
             return None
+        claim.start_failures = 0
         if result == WAITING:
             # No free concurrency permit: the process goes back to other work, the task
             # waits (reserved, renewed) until one frees.

@@ -14,7 +14,14 @@ import pytest
 
 from celery_pulse.errors import StoreUnavailable
 from celery_pulse.leases import RUNNING, LeaseKeeper, LocalClaim
-from celery_pulse.store.base import Completion, Exchanged, Grant, Message, ReserveRequest
+from celery_pulse.store.base import (
+    Completion,
+    Exchanged,
+    Grant,
+    Message,
+    Permit,
+    ReserveRequest,
+)
 from celery_pulse.store.sql import SqlStore, open_store
 
 TTL = 30.0
@@ -235,3 +242,49 @@ def test_a_claim_completed_during_a_renewal_is_not_lost(store: SqlStore) -> None
     keeper.renew_once()
     assert listener.lost == [] and claim.state == RUNNING
     assert keeper.counters.lost == 0
+
+
+class FailingPermits:
+    """The store, failing every exchange that carries starts needing permits."""
+
+    def __init__(self, store: SqlStore) -> None:
+        self.store = store
+        self.calls: list[tuple[list[str], list[str], list[str]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                 reserves: Sequence[ReserveRequest], starts: Sequence[tuple[str, int, str]],
+                 permits: Any = None) -> Exchanged:
+        self.calls.append(([c.task_id for c in completions], [r.task_id for r in reserves],
+                           [s[0] for s in starts]))
+        if permits:
+            raise StoreUnavailable("contended permit key")
+        return self.store.exchange(holder, ttl, completions, reserves, starts, permits)
+
+
+def test_a_failing_limited_start_fails_nothing_else_in_its_batch(store: SqlStore) -> None:
+    """Starts that need permits go to the store apart from the batch's other ops: their
+    failure (a fault-suite run saw one fail thousands of times) answers them alone."""
+    spy = FailingPermits(store)
+    keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
+                         listener=Listener())
+    done = keeper.add(reserve(store, "done", "p"), keeper.monotonic(), 0, False)
+    plain = keeper.add(reserve(store, "plain", "p"), keeper.monotonic(), 0, False)
+    limited = keeper.add(reserve(store, "limited", "p"), keeper.monotonic(), 0, False)
+    limited.permits = (Permit("k", 1),)
+    answers: dict[str, Any] = {}
+    keeper.submit_complete(done, "succeeded", None, lambda r, _c: answers.update(done=r))
+    keeper.submit_start(plain, lambda r: answers.update(plain=r), urgent=False)
+    keeper.submit_start(limited, lambda r: answers.update(limited=r), urgent=False)
+    keeper.submit_reserve(request("new"), lambda r, _sent: answers.update(new=r))
+    keeper.start()
+    try:
+        wait(lambda: len(answers) == 4, "every answer")
+    finally:
+        keeper.stop()
+    assert spy.calls[:2] == [(["done"], ["new"], ["plain"]), ([], [], ["limited"])]
+    assert answers["done"] == "applied" and answers["plain"] is True
+    assert isinstance(answers["new"], Grant)
+    assert isinstance(answers["limited"], StoreUnavailable)
