@@ -203,6 +203,8 @@ class Report:
     limited_peak: int = 0
     #: Rows left in ``pulse_permit_holds`` at the end (of claims that moved on: harmless).
     permit_rows_left: int = 0
+    #: Tasks the broker lost before any worker received them (``lost_by_broker``).
+    broker_lost: int = 0
     violations: list[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
@@ -211,7 +213,7 @@ class Report:
                 f"recoveries={self.recoveries} stale_effects_rejected="
                 f"{self.stale_effects_rejected} ticks={self.ticks} "
                 f"limited_runs={self.limited_runs} limited_peak={self.limited_peak} "
-                f"permit_rows_left={self.permit_rows_left} "
+                f"permit_rows_left={self.permit_rows_left} broker_lost={self.broker_lost} "
                 f"violations={len(self.violations)}")
 
 
@@ -219,10 +221,13 @@ def check(submitted: Iterable[str], claims: Iterable[ClaimState], events: Iterab
           effects: Iterable[tuple[str, int]], slots: Iterable[tuple[str, str]] = (),
           slot_period: float | None = None, limits: Mapping[str, int] | None = None,
           permit_holds: Iterable[PermitHold] = (),
-          worker_stats: Mapping[str, Any] | None = None) -> Report:
+          worker_stats: Mapping[str, Any] | None = None,
+          lost_by_broker: Iterable[str] = ()) -> Report:
     """Every invariant the suite promises; returns counts and the violations found.
 
-    * every submitted task ends succeeded, failed or needs_review (none lost, none stuck);
+    * every submitted task ends succeeded, failed or needs_review (none lost, none stuck),
+      except those in ``lost_by_broker``: shown by the test never to have reached a
+      worker (no claim, nowhere in the broker, in no worker's log), counted apart;
     * at most one fenced effect per task, and a succeeded task has exactly one;
     * a ``review`` task is started at most once per delivery of its own (a Celery
       retry is a new run the task asked for; a lost run is never re-run automatically);
@@ -238,6 +243,7 @@ def check(submitted: Iterable[str], claims: Iterable[ClaimState], events: Iterab
       worker still counts a waiter (see :func:`ghost_waiters`).
     """
     report = Report()
+    lost_by_broker = set(lost_by_broker)
     submitted = list(submitted)
     report.submitted = len(submitted)
     claims = list(claims)
@@ -259,7 +265,10 @@ def check(submitted: Iterable[str], claims: Iterable[ClaimState], events: Iterab
     for task_id in submitted:
         claim = by_id.get(task_id)
         if claim is None:
-            report.violations.append(f"{task_id}: lost (no claim, never reserved)")
+            if task_id in lost_by_broker:
+                report.broker_lost += 1
+            else:
+                report.violations.append(f"{task_id}: lost (no claim, never reserved)")
             continue
         if claim.state not in TERMINAL:
             report.violations.append(f"{task_id}: stuck in {claim.state} (epoch {claim.epoch})")

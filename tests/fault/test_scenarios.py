@@ -210,7 +210,8 @@ def _settled(env: Env, submitted: list[str]) -> bool:
 
 def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
                   workers: Callable[..., Worker], broker_fault: Callable[[], None],
-                  skews: dict[str, float] | None = None) -> Report:
+                  skews: dict[str, float] | None = None, broker_may_lose: bool = False
+                  ) -> Report:
     seed = _seed()
     name = f"{name} on {make_url(env.store_url).get_backend_name()}"
     engine = sa.create_engine(env.store_url)
@@ -242,9 +243,12 @@ def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
         wait_for(lambda: _settled(env, submitted), SETTLE, "every submitted task to settle",
                  interval=1.0)
     state = _read_state(env, history)
+    lost_by_broker = (_lost_by_redis(env, cluster, submitted, state)
+                      if broker_may_lose and any("broker fault" in line for line in nemesis.log)
+                      else set())
     report = check(submitted, state.claims, state.events, state.effects, state.slots,
                    slot_period=1.0, limits=LIMITS, permit_holds=state.permit_holds,
-                   worker_stats=_worker_stats(env))
+                   worker_stats=_worker_stats(env), lost_by_broker=lost_by_broker)
     elapsed = time.monotonic() - started
     if report.ticks > elapsed + 5:  # 1 s schedule: more ticks than seconds = fired early
         report.violations.append(f"{report.ticks} periodic ticks in {elapsed:.0f}s")
@@ -253,6 +257,8 @@ def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
     report.recoveries = logs.count("pulse: recovered ")
     print(f"[{name}] seed={seed} {report.summary()} aimed_at_holders={nemesis.aimed}")
     print("\n".join(f"  nemesis: {line}" for line in nemesis.log))
+    for task_id in sorted(lost_by_broker):
+        print(f"  lost by the broker before any worker received it: {task_id}")
     for violation in report.violations[:20]:
         print(f"  VIOLATION {violation}")
     states = {c.task_id: c.state for c in state.claims}
@@ -321,6 +327,34 @@ def _diagnose(env: Env, cluster: Cluster, submitted: list[str], state: State) ->
     text = "\n".join(out)
     (env.tmp / "diagnosis.txt").write_text(text)
     return text
+
+
+def _lost_by_redis(env: Env, cluster: Cluster, submitted: list[str], state: State
+                   ) -> set[str]:
+    """Tasks that a Redis restart lost before any worker received them: no claim, not in
+    the queue, not among the delivered-unacknowledged messages, in no worker's log.
+
+    kombu's Redis transport takes a message off the list (``BRPOP``) before it records
+    it as unacknowledged; a restart that cuts the connection while the reply is on its
+    way loses the message for good. pulse's promises start when a worker receives a
+    delivery: one that did leaves a claim, or the message stays unacknowledged (and is
+    restored) until its claim is written, or the worker logs its id.
+    """
+    import redis
+
+    claimed = {c.task_id for c in state.claims}
+    missing = [task_id for task_id in submitted if task_id not in claimed]
+    if not missing:
+        return set()
+    client: Any = redis.Redis.from_url(env.broker_url, socket_timeout=5)
+    try:
+        held = [m.decode(errors="replace") for m in client.lrange(env.queue, 0, -1)]
+        held += [raw.decode(errors="replace") for raw in client.hgetall("unacked").values()]
+    finally:
+        client.close()
+    logs = cluster.logs()
+    return {task_id for task_id in missing
+            if not any(task_id in m for m in held) and task_id not in logs}
 
 
 def _broker_state(env: Env, cluster: Cluster, stuck: list[str]) -> list[str]:
@@ -408,7 +442,7 @@ def test_redis_scenario_with_broker_restarts(fault_env: Callable[[str], Env],
     redis = PrivateRedis().start()
     try:
         _run_scenario("redis", fault_env(redis.url), private_server, history, workers,
-                      redis_fault(redis))
+                      redis_fault(redis), broker_may_lose=True)
     finally:
         redis.destroy()
 

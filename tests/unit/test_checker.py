@@ -23,6 +23,17 @@ def test_lost_and_stuck_tasks_are_reported() -> None:
     assert any("b: stuck in running" in v for v in report.violations)
 
 
+def test_a_task_the_broker_lost_before_delivery_is_counted_apart() -> None:
+    """Only the ids the test showed never reached a worker; any other loss still fails,
+    and a claimed task named there is judged as usual."""
+    report = check(["a", "b", "c"], [claim("c", "running")], [], [],
+                   lost_by_broker=["a", "c"])
+    assert report.broker_lost == 1
+    assert not any("a: lost" in v for v in report.violations)
+    assert any("b: lost" in v for v in report.violations)
+    assert any("c: stuck in running" in v for v in report.violations)
+
+
 def test_two_effects_are_a_violation() -> None:
     report = check(["a"], [claim("a")], [], [("a", 1), ("a", 2)])
     assert any("2 fenced effects" in v for v in report.violations)
