@@ -27,7 +27,6 @@ gives the hand-over: the time from one body's end to the next body's start (medi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import statistics
@@ -53,13 +52,8 @@ STALL = throughput.STALL
 SETTLE = 30.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    key: str
-    label: str
-    task: str
-    args: tuple[Any, ...]
-    n: int
+#: The throughput section's workload (same fields: key, label, task, args, n).
+Workload = throughput.Workload
 
 
 def workloads(quick: bool) -> list[Workload]:
