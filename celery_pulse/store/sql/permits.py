@@ -12,6 +12,7 @@ every other statement are not.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -143,8 +144,10 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
     return started, {lease[0] for lease in waiting}
 
 
+@functools.lru_cache(maxsize=4)
 def _pg_sql(now: str) -> dict[str, str]:
-    """:func:`start`'s statements in plain PostgreSQL (arrays for every batch size)."""
+    """:func:`start`'s statements in plain PostgreSQL (arrays for every batch size),
+    built once per clock expression, not at every start."""
     live = f"('{RESERVED}', '{RUNNING}')"
     return {
         "lock": (
