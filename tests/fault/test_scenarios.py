@@ -329,6 +329,20 @@ def _diagnose(env: Env, cluster: Cluster, submitted: list[str], state: State) ->
     return text
 
 
+def _redis_messages(env: Env) -> tuple[list[str], dict[str, str]]:
+    """The test queue's ready messages, and kombu's delivered-unacknowledged ones by tag."""
+    import redis
+
+    client: Any = redis.Redis.from_url(env.broker_url, socket_timeout=5)
+    try:
+        queued = [m.decode(errors="replace") for m in client.lrange(env.queue, 0, -1)]
+        unacked = {tag.decode(): raw.decode(errors="replace")
+                   for tag, raw in client.hgetall("unacked").items()}
+    finally:
+        client.close()
+    return queued, unacked
+
+
 def _lost_by_redis(env: Env, cluster: Cluster, submitted: list[str], state: State
                    ) -> set[str]:
     """Tasks that a Redis restart lost before any worker received them: no claim, not in
@@ -340,18 +354,13 @@ def _lost_by_redis(env: Env, cluster: Cluster, submitted: list[str], state: Stat
     delivery: one that did leaves a claim, or the message stays unacknowledged (and is
     restored) until its claim is written, or the worker logs its id.
     """
-    import redis
 
     claimed = {c.task_id for c in state.claims}
     missing = [task_id for task_id in submitted if task_id not in claimed]
     if not missing:
         return set()
-    client: Any = redis.Redis.from_url(env.broker_url, socket_timeout=5)
-    try:
-        held = [m.decode(errors="replace") for m in client.lrange(env.queue, 0, -1)]
-        held += [raw.decode(errors="replace") for raw in client.hgetall("unacked").values()]
-    finally:
-        client.close()
+    queued, unacked = _redis_messages(env)
+    held = queued + list(unacked.values())
     logs = cluster.logs()
     return {task_id for task_id in missing
             if not any(task_id in m for m in held) and task_id not in logs}
@@ -365,10 +374,8 @@ def _broker_state(env: Env, cluster: Cluster, stuck: list[str]) -> list[str]:
         if env.broker_url.startswith("redis"):
             import redis
 
+            queued, unacked = _redis_messages(env)
             client: Any = redis.Redis.from_url(env.broker_url, socket_timeout=5)
-            queued = [m.decode(errors="replace") for m in client.lrange(env.queue, 0, -1)]
-            unacked = {tag.decode(): raw.decode(errors="replace")
-                       for tag, raw in client.hgetall("unacked").items()}
             since = {tag.decode(): score for tag, score in
                      client.zrange("unacked_index", 0, -1, withscores=True)}
             out.append(f"redis: {len(queued)} ready in {env.queue}, {len(unacked)} unacked")
