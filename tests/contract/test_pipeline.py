@@ -1,0 +1,94 @@
+"""The PostgreSQL hot path's pipelined connection (:class:`Pipeline`), on a real server.
+
+It drives libpq's pipeline itself: what each statement returns, that a failing one
+undoes the whole exchange (one implicit transaction), that its prepared statements
+stay bounded, and that a connection the server dropped is the store being unavailable
+and the next exchange reconnects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from celery_pulse.errors import StoreUnavailable
+from celery_pulse.store.sql.pipeline import PREPARED_MAX, Pipeline
+
+pytestmark = pytest.mark.postgres
+
+ROW = "INSERT INTO t VALUES (%s, %s, %s, %s, %s, %s) RETURNING id, n, f, b, note, flag"
+
+
+@pytest.fixture
+def engine(pg_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (id text PRIMARY KEY, n bigint, f float8, "
+                             "b bytea, note text, flag boolean)")
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def pipeline(engine: sa.Engine) -> Iterator[Pipeline]:
+    pipe = Pipeline(engine)
+    try:
+        yield pipe
+    finally:
+        pipe.close()
+
+
+def ids(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return [row[0] for row in conn.exec_driver_sql("SELECT id FROM t ORDER BY id")]
+
+
+def test_each_statement_returns_its_rows_with_their_types(pipeline: Pipeline) -> None:
+    rows = pipeline.run("test", [
+        (ROW, ("a", 2**40, 2.5, b"\x00\xff", None, True)),
+        (ROW, ("b", 3, -1.0, None, "é", False)),
+        ("SELECT count(*) FROM t WHERE n > %s", (1,)),  # sees the rows inserted before it
+        ("DELETE FROM t WHERE id = %s", ("none",)),  # returns no rows
+    ])
+    assert rows == [[("a", 2**40, 2.5, b"\x00\xff", None, True)],
+                    [("b", 3, -1.0, None, "é", False)], [(2,)], []]
+
+
+def test_a_failing_statement_undoes_the_whole_exchange(engine: sa.Engine,
+                                                         pipeline: Pipeline) -> None:
+    pipeline.run("test", [(ROW, ("a", 1, 0.0, None, None, None))])
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        pipeline.run("test", [(ROW, ("b", 1, 0.0, None, None, None)),
+                              (ROW, ("a", 1, 0.0, None, None, None))])
+    assert ids(engine) == ["a"]  # "b" went with the exchange that failed
+    assert pipeline.run("test", [(ROW, ("c", 1, 0.0, None, None, None))]) == [
+        [("c", 1, 0.0, None, None, None)]]
+    assert ids(engine) == ["a", "c"]
+
+
+def test_prepared_statements_stay_bounded_and_evicted_ones_still_run(
+        pipeline: Pipeline) -> None:
+    statements = [f"SELECT %s::bigint + {i}" for i in range(PREPARED_MAX + 20)]
+    for i, sql in enumerate(statements):
+        assert pipeline.run("test", [(sql, (1,))]) == [[(1 + i,)]]
+    prepared = pipeline.run("test", [("SELECT count(*) FROM pg_prepared_statements", ())])
+    assert PREPARED_MAX // 2 < prepared[0][0][0] <= PREPARED_MAX
+    assert pipeline.run("test", [(statements[0], (41,))]) == [[(41,)]]  # evicted first
+
+
+def test_a_dropped_connection_is_the_store_unavailable_and_the_next_exchange_reconnects(
+        engine: sa.Engine, pipeline: Pipeline) -> None:
+    backend = "SELECT pg_backend_pid()"
+    pid = pipeline.run("test", [(backend, ())])[0][0][0]
+    with engine.connect() as conn:
+        conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+    with pytest.raises(StoreUnavailable):
+        pipeline.run("test", [(ROW, ("a", 1, 0.0, None, None, None))])
+    assert pipeline.run("test", [(backend, ())])[0][0][0] != pid
+    assert pipeline.run("test", [(ROW, ("a", 1, 0.0, None, None, None))]) == [
+        [("a", 1, 0.0, None, None, None)]]
