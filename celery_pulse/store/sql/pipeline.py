@@ -125,12 +125,9 @@ class Pipeline:
         poll, fd = self._poll, pg.socket
         results: list[Any] = []
         last: Any = None
-        writing = True
+        writing = bool(pg.flush())  # 1: libpq's buffer isn't all sent yet
         while True:
-            if writing:
-                writing = bool(pg.flush())  # 1: libpq's buffer isn't all sent yet
-            pg.consume_input()
-            while not pg.is_busy():
+            while not pg.is_busy():  # what libpq has read already (no system call)
                 res = pg.get_result()
                 if res is None:  # the end of one command's results
                     if last is None:
@@ -141,8 +138,13 @@ class Pipeline:
                     return results
                 else:
                     last = res
+            # Wait for the server with the GIL released (libpq's own calls keep it):
+            # the consumer loop runs meanwhile.
             poll.modify(fd, select.POLLIN | (select.POLLOUT if writing else 0))
-            poll.poll()  # releases the GIL: the consumer loop runs meanwhile
+            poll.poll()
+            if writing:
+                writing = bool(pg.flush())
+            pg.consume_input()
 
     def transaction(self, where: str, first: Sequence[tuple[str, Sequence[Any]]],
                     then: Callable[[list[list[tuple[Any, ...]]]],

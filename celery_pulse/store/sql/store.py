@@ -123,8 +123,12 @@ def _task_id(item: Any) -> str:
     return str(item.task_id)
 
 
+#: Built once: ``json.dumps`` with options builds an encoder per call (three per reservation).
+_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(dict(value), sort_keys=True, default=str)
+    return _ENCODER.encode(dict(value))
 
 
 class SqlStore(Store):
