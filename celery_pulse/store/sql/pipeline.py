@@ -25,6 +25,7 @@ from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
 from celery_pulse.store.sql.errors import driver_translated, translated
+from celery_pulse.store.sql.libpq_io import SocketCalls
 
 #: Prepared statements kept per connection (psycopg's own default), least recently used
 #: first out: a batch's size and its parameters' types make a statement of its own.
@@ -47,6 +48,7 @@ class Pipeline:
             collections.OrderedDict())
         self._named = 0
         self._poll: Any = None
+        self._io: SocketCalls | None = None
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._raw is None:
@@ -56,6 +58,7 @@ class Pipeline:
             conn.autocommit = True
             self._raw, self._conn = raw, conn
             self._tx = Transformer.from_context(conn)
+            self._io = SocketCalls(conn.pgconn)
             self._prepared.clear()
             self._poll = select.poll()
             self._poll.register(conn.pgconn.socket, select.POLLIN)
@@ -101,8 +104,10 @@ class Pipeline:
                 prepared.move_to_end(key)
             pg.send_query_prepared(name, values, param_formats=tx.formats)
             ours.append(True)
-        pg.pipeline_sync()
-        results = self._communicate(pg)
+        io = self._io
+        assert io is not None
+        io.sync()
+        results = self._communicate(pg, io)
         pg.exit_pipeline_mode()
         for res in results:
             if res.status not in _OK:  # the first error: the others were aborted by it
@@ -119,13 +124,13 @@ class Pipeline:
                 rows.append([])
         return rows
 
-    def _communicate(self, pg: Any) -> list[Any]:
+    def _communicate(self, pg: Any, io: SocketCalls) -> list[Any]:
         """Send what is queued and read every result up to the ``Sync``: each command's
         last result (its error, when it failed), in order."""
         poll, fd = self._poll, pg.socket
         results: list[Any] = []
         last: Any = None
-        writing = bool(pg.flush())  # 1: libpq's buffer isn't all sent yet
+        writing = io.flush()  # libpq's buffer isn't all sent yet
         while True:
             while not pg.is_busy():  # what libpq has read already (no system call)
                 res = pg.get_result()
@@ -138,13 +143,12 @@ class Pipeline:
                     return results
                 else:
                     last = res
-            # Wait for the server with the GIL released (libpq's own calls keep it):
-            # the consumer loop runs meanwhile.
+            # Wait for the server with the GIL released: the consumer loop runs meanwhile.
             poll.modify(fd, select.POLLIN | (select.POLLOUT if writing else 0))
             poll.poll()
             if writing:
-                writing = bool(pg.flush())
-            pg.consume_input()
+                writing = io.flush()
+            io.consume()
 
     def transaction(self, where: str, first: Sequence[tuple[str, Sequence[Any]]],
                     then: Callable[[list[list[tuple[Any, ...]]]],
@@ -177,7 +181,7 @@ class Pipeline:
 
     def close(self) -> None:
         conn, self._raw, self._conn = self._conn, None, None
-        self._tx = self._poll = None
+        self._tx = self._poll = self._io = None
         if conn is not None:
             # The driver's own close: the detached pool wrapper would first try a
             # rollback, and log a traceback when the server is already gone.
