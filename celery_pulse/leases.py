@@ -25,13 +25,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_pulse.errors import Contended, PulseError, StoreUnavailable
 from celery_pulse.store.base import (
     RETRY,
     ClaimStore,
     Completion,
+    Exchanged,
     Grant,
     Permit,
     Refusal,
@@ -39,6 +40,9 @@ from celery_pulse.store.base import (
     ResultRecord,
     mask_token,
 )
+
+if TYPE_CHECKING:
+    from celery_pulse.loop_commit import LoopCommitter
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,17 @@ BATCH = 64
 QUIET = 0.0002
 #: Seconds before completions the store could not take are sent again (doubling to 2 s).
 FIRST_BACKOFF = 0.2
+#: Op kinds the loop committer hands the commit thread (:meth:`LeaseKeeper._from_loop`).
+_FROM_LOOP = frozenset({"batch", "finish", "barrier"})
+
+
+def _notify(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception:
+            logger.exception("pulse: loop committer callback failed")
+    callbacks.clear()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -209,6 +224,7 @@ class LeaseKeeper:
         self._ops: queue.Queue[tuple[str, Any, Any, bool] | None] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._loop_committer: LoopCommitter | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
@@ -221,6 +237,7 @@ class LeaseKeeper:
 
     def stop(self, *, release: bool = True) -> None:
         """Flush queued completions, release reservations never started, stop threads."""
+        self.detach_loop()
         self._ops.put(None)
         for thread in self._threads[:1]:
             thread.join(timeout=self.ttl + 30)
@@ -357,6 +374,38 @@ class LeaseKeeper:
         """
         return self._unstarted
 
+    # -- the loop committer (see :mod:`celery_pulse.loop_commit`) ----------------------
+    def attach_loop(self, reactor: Any) -> bool:
+        """Serve the ops submitted on ``reactor``'s thread from that event loop itself,
+        where the store sends exchanges without blocking. Called where the loop is about
+        to run (again); True if it now does."""
+        if not self.store.nonblocking_exchange:
+            return False
+        from celery_pulse.loop_commit import LoopCommitter
+
+        self.detach_loop()
+        committer = LoopCommitter(self, reactor)
+        self._loop_committer = committer
+        committer.attach()
+        return True
+
+    def detach_loop(self) -> None:
+        """The event loop stops: the committer thread serves every op from now on."""
+        committer = self._loop_committer
+        if committer is not None:
+            committer.detach(timeout=self.ttl)
+            self._loop_committer = None
+
+    def hand_to_thread(self, op: tuple[str, Any, Any, bool]) -> None:
+        self._ops.put(op)
+
+    def _submit(self, op: tuple[str, Any, Any, bool]) -> None:
+        committer = self._loop_committer
+        if committer is not None and committer.accepts():
+            committer.submit(op)
+        else:
+            self._ops.put(op)
+
     def is_live(self, claim: LocalClaim) -> bool:
         return claim.state != LOST and self.monotonic() < claim.deadline
 
@@ -367,7 +416,7 @@ class LeaseKeeper:
 
         ``urgent``: a free pool process waits for it (else it may linger for company).
         """
-        self._ops.put(("reserve", request, callback, urgent))
+        self._submit(("reserve", request, callback, urgent))
 
     def submit_start(self, claim: LocalClaim, callback: StartCallback | None,
                      urgent: bool = True) -> None:
@@ -379,7 +428,7 @@ class LeaseKeeper:
         meanwhile: never run it), :data:`WAITING` (no free concurrency permit for
         ``claim.permits``: still reserved) or the store error.
         """
-        self._ops.put(("start", claim, callback, urgent))
+        self._submit(("start", claim, callback, urgent))
 
     def start_in_background(self, claim: LocalClaim) -> bool:
         """Count the claim as running now and record its start in the store later.
@@ -391,7 +440,7 @@ class LeaseKeeper:
             if claim.state != RESERVED:
                 return False
             claim.state = RUNNING
-        self._ops.put(("start", claim, None, False))
+        self._submit(("start", claim, None, False))
         return True
 
     def submit_complete(self, claim: LocalClaim, outcome: str, error: str | None,
@@ -399,7 +448,7 @@ class LeaseKeeper:
         self.forget(claim)
         completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error,
                                 claim.result)
-        self._ops.put(("complete", completion, callback, False))
+        self._submit(("complete", completion, callback, False))
 
     def start_now(self, claim: LocalClaim) -> bool | str | PulseError:
         """Synchronous start (for event loops without a hub): as ``submit_start``'s answer."""
@@ -440,6 +489,7 @@ class LeaseKeeper:
         due_at: float | None = None  # when what lingers goes out
         quiet_at: float | None = None  # ... or sooner, once no op came for QUIET
         delay = FIRST_BACKOFF  # of failed completions (reset by an exchange that worked)
+        notify: list[Callable[[], None]] = []  # the loop committer's, after the next exchange
         while True:
             wake = due_at if quiet_at is None or due_at is None else min(due_at, quiet_at)
             timeout = None if wake is None else max(0.0, wake - time.monotonic())
@@ -452,11 +502,16 @@ class LeaseKeeper:
             for op in batch:
                 if op is None:
                     continue
+                if op[0] in _FROM_LOOP:
+                    urgent = True
+                    self._from_loop(op, pending, notify)
+                    continue
                 pending[op[0]].append(op)
                 # A retry's completion re-opens the claim its next delivery needs.
                 urgent = urgent or op[3] or (op[0] == "complete" and op[1].outcome == RETRY)
             count = sum(len(ops) for ops in pending.values())
             if not count:
+                _notify(notify)
                 if closing:
                     return
                 due_at = None
@@ -472,6 +527,7 @@ class LeaseKeeper:
             completes = pending["complete"]
             failed = self._exchange(completes, pending["reserve"], pending["start"])
             pending["reserve"], pending["start"] = [], []
+            _notify(notify)
             if failed is None:
                 pending["complete"], delay, due_at = [], FIRST_BACKOFF, None
             elif closing and self.monotonic() > give_up:
@@ -489,6 +545,36 @@ class LeaseKeeper:
                 due_at = None
             if closing and not pending["complete"]:
                 return
+
+    def _from_loop(self, op: tuple[str, Any, Any, bool],
+                   pending: dict[str, list[tuple[str, Any, Any, bool]]],
+                   notify: list[Callable[[], None]]) -> None:
+        """What the loop committer hands this thread (see :mod:`celery_pulse.loop_commit`):
+        an exchange it cannot send without blocking (``batch``: sent with the next one
+        here), one it sent whose end may block (``finish``, done now: the rest of a big
+        request, the follow-up reads of a refusal or a stale completion), or a ``barrier``
+        (nothing: its callback runs once what queued up before it has gone out)."""
+        kind, item, callback = op[0], op[1], op[2]
+        if kind == "finish":
+            pending_exchange, completes, reserves, starts, sent = item
+            try:
+                pending_exchange.flight.wait(None)  # (the rest of a big request to send)
+                done = pending_exchange.finish(blocking=True)
+                assert done is not None
+            except Exception as exc:
+                failure = self.answer_failure(exc, reserves, starts, sent)
+                pending["complete"].extend(completes)  # sent again with the next exchange
+                logger.warning("pulse: recording %d completion(s) failed, retrying: %s",
+                               len(completes), failure)
+            else:
+                self.answer_exchange(done, completes, reserves, starts, sent)
+            _notify([callback])
+            return
+        if kind == "batch":
+            for ops in item:
+                for each in ops:
+                    pending[each[0]].append(each)
+        notify.append(callback)
 
     def _take(self, timeout: float | None) -> list[tuple[str, Any, Any, bool] | None]:
         """The next op (waiting up to ``timeout``) and every op queued behind it."""
@@ -517,33 +603,49 @@ class LeaseKeeper:
             self._exchange([], [], limited)
             return failure
         sent = self.monotonic()
+        self.count_exchange(completes, reserves, starts)
         claims = [op[1] for op in starts]
-        self.counters.exchanges += 1
-        self.counters.exchanged_ops += len(completes) + len(reserves) + len(starts)
         try:
             permits = {c.task_id: c.permits for c in claims if c.permits}
             done = self.store.exchange(self.holder, self.ttl, [op[1] for op in completes],
                                        [op[1] for op in reserves], [c.key for c in claims],
                                        permits or None)
         except Exception as exc:
-            failure = exc if isinstance(exc, PulseError) else StoreUnavailable(
-                f"exchange failed: {exc!r}")
-            if not isinstance(exc, PulseError):
-                logger.exception("pulse: store exchange failed")
-            if not isinstance(exc, Contended):  # the store answered: counted by the intake
-                self.counters.store_errors += 1
-            self._answer(reserves, [failure] * len(reserves), sent)
-            self._answer(starts, [failure] * len(starts))
-            return failure
+            return self.answer_failure(exc, reserves, starts, sent)
+        self.answer_exchange(done, completes, reserves, starts, sent)
+        return None
+
+    def count_exchange(self, *kinds: list[tuple[str, Any, Any, bool]]) -> None:
+        self.counters.exchanges += 1
+        self.counters.exchanged_ops += sum(len(ops) for ops in kinds)
+
+    def answer_failure(self, exc: BaseException, reserves: list[tuple[str, Any, Any, bool]],
+                       starts: list[tuple[str, Any, Any, bool]], sent: float) -> PulseError:
+        """An exchange failed: its reservations and starts get the error (the caller
+        keeps its completions, to send again). The error, as a PulseError."""
+        failure = exc if isinstance(exc, PulseError) else StoreUnavailable(
+            f"exchange failed: {exc!r}")
+        if not isinstance(exc, PulseError):
+            logger.error("pulse: store exchange failed", exc_info=exc)
+        if not isinstance(exc, Contended):  # the store answered: counted by the intake
+            self.counters.store_errors += 1
+        self._answer(reserves, [failure] * len(reserves), sent)
+        self._answer(starts, [failure] * len(starts))
+        return failure
+
+    def answer_exchange(self, done: Exchanged, completes: list[tuple[str, Any, Any, bool]],
+                        reserves: list[tuple[str, Any, Any, bool]],
+                        starts: list[tuple[str, Any, Any, bool]], sent: float) -> None:
+        """Every op of an exchange that took effect gets its answer."""
         if completes:
             self._answer_completions(completes, done.completed, done.counted)
         with self._lock:
             self._unsettled.update((g.task_id, g) for g in done.reserved if isinstance(g, Grant))
         self._answer(reserves, done.reserved, sent)
+        claims = [op[1] for op in starts]
         self._answer(starts, [WAITING if c.task_id in done.waiting else (
             c.task_id in done.started and (c.start_in_background or self.mark_running(c, sent)))
             for c in claims])
-        return None
 
     @staticmethod
     def _answer(ops: list[tuple[str, Any, Any, bool]], results: Sequence[Any],

@@ -93,12 +93,16 @@ class Registry(bootsteps.StartStopStep):
             pulse.gate.reapply()
             # The loop turn the connection failed in may have dropped our drain.
             pulse.loop.rearm()
+        pulse.attach_loop()
 
     def stop(self, c: Any) -> None:
-        pass  # a broker reconnect: membership goes on
+        # A broker reconnect or a shutdown: membership goes on, but the event loop has
+        # stopped, so the hot path goes back to the committer thread.
+        c.controller.pulse.detach_loop()
 
     def shutdown(self, c: Any) -> None:
-        pass  # deregistration waits for in-flight tasks (see PulseWorker.shutdown)
+        # Deregistration waits for in-flight tasks (see PulseWorker.shutdown).
+        c.controller.pulse.detach_loop()
 
     def info(self, c: Any) -> dict[str, Any]:
         return {"pulse": c.controller.pulse.info()}

@@ -166,6 +166,16 @@ class PulseWorker:
 
             serve(self.settings.metrics_port, self.info)
 
+    def attach_loop(self) -> None:
+        """The consumer's event loop is about to run: the hot path goes on it, where the
+        store allows (:mod:`celery_pulse.loop_commit`)."""
+        if self.loop.hub is not None and not self.stopping:
+            self.keeper.attach_loop(self.loop.hub)
+
+    def detach_loop(self) -> None:
+        """The event loop stopped (a reconnect, a shutdown): back to the commit thread."""
+        self.keeper.detach_loop()
+
     def release_unstarted(self, why: str) -> None:
         """Give up every reservation not yet started (Celery dropped their requests)."""
         if self._intake is not None:

@@ -316,8 +316,54 @@ class Exchanged:
     waiting: frozenset[str] = frozenset()
 
 
+class InFlightIO(Protocol):
+    """The socket side of an exchange in flight (see :class:`PendingExchange`)."""
+
+    #: The connection's socket: step when it is readable.
+    fileno: int
+    #: Some of the request is not sent yet: step again soon, readable or not.
+    writing: bool
+    done: bool
+
+    def step(self) -> bool:
+        """Send what is left and read what came, never blocking; True once all is in."""
+        ...
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until all is in (the store's error after ``timeout`` seconds)."""
+        ...
+
+    def abandon(self) -> None:
+        """Give up on the answer (its effect unknown): the connection is dropped."""
+        ...
+
+
+class PendingExchange(Protocol):
+    """An exchange sent by :meth:`ClaimStore.begin_exchange`, its answer not read yet.
+
+    If :attr:`flight` (or :meth:`finish`) raises the store's error, none of the
+    operations is known to have taken effect, as when :meth:`ClaimStore.exchange` raises.
+    """
+
+    @property
+    def flight(self) -> InFlightIO:
+        """The exchange's socket side."""
+        ...
+
+    def finish(self, *, blocking: bool) -> Exchanged | None:
+        """The answers, once :attr:`flight` is done. Answering some of them may need a
+        read of its own (rare: a stale completion, a refused reservation): with
+        ``blocking`` False that is left undone and None returned, to be called again
+        where blocking is allowed."""
+        ...
+
+
 class ClaimStore(abc.ABC):
     """What per-task leases need from persistent storage."""
+
+    #: :meth:`begin_exchange` sends exchanges without blocking: the worker then runs its
+    #: hot path on its event loop (:mod:`celery_pulse.loop_commit`).
+    nonblocking_exchange: bool = False
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest],
@@ -338,6 +384,20 @@ class ClaimStore(abc.ABC):
                          self.reserve(holder, reserves, ttl) if reserves else [],
                          self.start_many(holder, starts, ttl, permits, waiting) if starts
                          else {}, counted, frozenset(waiting))
+
+    def begin_exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                       reserves: Sequence[ReserveRequest],
+                       starts: Sequence[tuple[str, int, str]],
+                       permits: Mapping[str, Sequence[Permit]] | None = None
+                       ) -> PendingExchange | None:
+        """:meth:`exchange` without waiting for its answer, for a caller on an event loop
+        (it registers the exchange's socket and reads the answer when it arrives).
+
+        None (the default): this store, or this batch, only has the blocking
+        :meth:`exchange`, or sending it now could block (a connection to open, or in use
+        by another thread). Never blocks.
+        """
+        return None
 
     @abc.abstractmethod
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import select
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import sqlalchemy as sa
 from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
+from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.sql.errors import driver_translated, translated
 from celery_pulse.store.sql.libpq_io import SocketCalls
 
@@ -68,17 +70,46 @@ class Pipeline:
     def run(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]
             ) -> list[list[tuple[Any, ...]]]:
         """Execute ``statements`` in one round trip; the rows each one returned."""
-        with self._lock:
-            try:
-                # SQLAlchemy's errors while connecting, psycopg's after
-                with translated(where), driver_translated(where):
-                    return self._run(self._connection(), statements)
-            except BaseException:
-                self.close()  # a failed pipeline leaves the connection unusable
-                raise
+        flight = self.begin(where, statements)
+        flight.wait(None)
+        return flight.rows()
 
-    def _run(self, conn: psycopg.Connection[Any], statements: Sequence[tuple[str, Sequence[Any]]]
-             ) -> list[list[tuple[Any, ...]]]:
+    def begin(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]) -> InFlight:
+        """Send ``statements`` (one round trip, one implicit transaction) without waiting
+        for the answer: the caller drives the returned :class:`InFlight` to its end, from
+        an event loop (:meth:`InFlight.step` when the socket is readable) or blocking
+        (:meth:`InFlight.wait`). The connection is the flight's until it ends."""
+        self._lock.acquire()
+        return self._begin(where, statements)
+
+    def begin_now(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]
+                  ) -> InFlight | None:
+        """:meth:`begin`, or None where that could block: the connection is in use by
+        another thread, or not open (connecting waits for the server)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        if self._raw is None:
+            self._lock.release()
+            return None
+        return self._begin(where, statements)
+
+    def _begin(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]) -> InFlight:
+        try:
+            # SQLAlchemy's errors while connecting, psycopg's after
+            with translated(where), driver_translated(where):
+                conn = self._connection()
+                ours, new = self._queue(conn, statements)
+                flight = InFlight(self, where, conn, ours, new)
+        except BaseException:
+            self.close()  # a failed pipeline leaves the connection unusable
+            self._lock.release()
+            raise
+        return flight
+
+    def _queue(self, conn: psycopg.Connection[Any],
+               statements: Sequence[tuple[str, Sequence[Any]]]
+               ) -> tuple[list[bool], list[tuple[tuple[str, tuple[int, ...]], bytes]]]:
+        """Queue every statement (each prepared once per connection) and the ``Sync``."""
         pg, tx = conn.pgconn, self._tx
         assert tx is not None
         prepared = self._prepared
@@ -104,51 +135,9 @@ class Pipeline:
                 prepared.move_to_end(key)
             pg.send_query_prepared(name, values, param_formats=tx.formats)
             ours.append(True)
-        io = self._io
-        assert io is not None
-        io.sync()
-        results = self._communicate(pg, io)
-        pg.exit_pipeline_mode()
-        for res in results:
-            if res.status not in _OK:  # the first error: the others were aborted by it
-                raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
-        prepared.update(new)
-        rows: list[list[tuple[Any, ...]]] = []
-        for res, mine in zip(results, ours, strict=True):
-            if not mine:
-                continue
-            if res.status == pq.ExecStatus.TUPLES_OK and res.nfields:
-                tx.set_pgresult(res)
-                rows.append(tx.load_rows(0, res.ntuples, tuple))
-            else:
-                rows.append([])
-        return rows
-
-    def _communicate(self, pg: Any, io: SocketCalls) -> list[Any]:
-        """Send what is queued and read every result up to the ``Sync``: each command's
-        last result (its error, when it failed), in order."""
-        poll, fd = self._poll, pg.socket
-        results: list[Any] = []
-        last: Any = None
-        writing = io.flush()  # libpq's buffer isn't all sent yet
-        while True:
-            while not pg.is_busy():  # what libpq has read already (no system call)
-                res = pg.get_result()
-                if res is None:  # the end of one command's results
-                    if last is None:
-                        break
-                    results.append(last)
-                    last = None
-                elif res.status == pq.ExecStatus.PIPELINE_SYNC:
-                    return results
-                else:
-                    last = res
-            # Wait for the server with the GIL released: the consumer loop runs meanwhile.
-            poll.modify(fd, select.POLLIN | (select.POLLOUT if writing else 0))
-            poll.poll()
-            if writing:
-                writing = io.flush()
-            io.consume()
+        assert self._io is not None
+        self._io.sync()
+        return ours, new
 
     def transaction(self, where: str, first: Sequence[tuple[str, Sequence[Any]]],
                     then: Callable[[list[list[tuple[Any, ...]]]],
@@ -188,6 +177,134 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 conn.close()
 
+
+
+class InFlight:
+    """One exchange sent on a :class:`Pipeline` and not read back yet.
+
+    Driven by :meth:`step` (never blocks: for an event loop, when :attr:`fileno` is
+    readable or :attr:`writing` is still due) or :meth:`wait`. Once :attr:`done`,
+    :meth:`rows` gives the statements' rows (or raises the first one's error). Any
+    failure closes the connection; either way the pipeline is free again at the end.
+    """
+
+    def __init__(self, pipeline: Pipeline, where: str, conn: psycopg.Connection[Any],
+                 ours: list[bool], new: list[tuple[tuple[str, tuple[int, ...]], bytes]]
+                 ) -> None:
+        self.pipeline, self.where, self.conn = pipeline, where, conn
+        self._ours, self._new = ours, new
+        self._results: list[Any] = []
+        self._last: Any = None
+        self._ended = False
+        pg = conn.pgconn
+        self.fileno: int = pg.socket
+        self.done = False
+        assert pipeline._io is not None
+        self._io = pipeline._io
+        #: libpq's buffer isn't all sent yet: call :meth:`step` again (socket writable).
+        self.writing = self._io.flush()
+
+    def step(self) -> bool:
+        """Send what is left, read what arrived; True once every result is in."""
+        if self.done:
+            return True
+        try:
+            with translated(self.where), driver_translated(self.where):
+                if self.writing:
+                    self.writing = self._io.flush()
+                self._io.consume()
+                self._read()
+        except BaseException:
+            self._fail()
+            raise
+        return self.done
+
+    def _read(self) -> None:
+        """Take what libpq has read already (no system call)."""
+        pg = self.conn.pgconn
+        while not pg.is_busy():
+            res = pg.get_result()
+            if res is None:  # the end of one command's results
+                if self._last is None:
+                    return
+                self._results.append(self._last)
+                self._last = None
+            elif res.status == pq.ExecStatus.PIPELINE_SYNC:
+                pg.exit_pipeline_mode()
+                self.done = True
+                return
+            else:
+                self._last = res
+
+    def wait(self, timeout: float | None) -> None:
+        """Block (the GIL released) until every result is in; StoreUnavailable after
+        ``timeout`` seconds (None: no limit but the connection's own)."""
+        if self.done:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poll = self.pipeline._poll
+        try:
+            with translated(self.where), driver_translated(self.where):
+                self._read()
+                while not self.done:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise StoreUnavailable(f"store unavailable during {self.where}: "
+                                               f"no answer in {timeout:g}s")
+                    poll.modify(self.fileno,
+                                select.POLLIN | (select.POLLOUT if self.writing else 0))
+                    poll.poll(None if left is None else max(1, int(left * 1000)))
+                    if self.writing:
+                        self.writing = self._io.flush()
+                    self._io.consume()
+                    self._read()
+        except BaseException:
+            self._fail()
+            raise
+
+    def rows(self) -> list[list[tuple[Any, ...]]]:
+        """The rows of each statement, once :attr:`done`."""
+        assert self.done, "rows() before the exchange ended"
+        try:
+            with translated(self.where), driver_translated(self.where):
+                return self._rows()
+        except BaseException:
+            self._fail()
+            raise
+        finally:
+            self._end()
+
+    def _rows(self) -> list[list[tuple[Any, ...]]]:
+        conn, tx = self.conn, self.pipeline._tx
+        assert tx is not None
+        for res in self._results:
+            if res.status not in _OK:  # the first error: the others were aborted by it
+                raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+        self.pipeline._prepared.update(self._new)
+        rows: list[list[tuple[Any, ...]]] = []
+        for res, mine in zip(self._results, self._ours, strict=True):
+            if not mine:
+                continue
+            if res.status == pq.ExecStatus.TUPLES_OK and res.nfields:
+                tx.set_pgresult(res)
+                rows.append(tx.load_rows(0, res.ntuples, tuple))
+            else:
+                rows.append([])
+        return rows
+
+    def abandon(self) -> None:
+        """Give up on the answer (its effect unknown): the connection is closed."""
+        if not self._ended:
+            self._fail()
+
+    def _fail(self) -> None:
+        self.pipeline.close()  # a failed pipeline leaves the connection unusable
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.pipeline._lock.release()
 
 def _rows(cursor: psycopg.Cursor[Any]) -> list[tuple[Any, ...]]:
     """A statement's rows; none for one that returns none (an INSERT, a DELETE)."""

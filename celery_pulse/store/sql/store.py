@@ -12,7 +12,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -49,6 +49,7 @@ from celery_pulse.store.base import (
     LeaderGrant,
     LeaderInfo,
     Message,
+    PendingExchange,
     Permit,
     PermitSignals,
     PermitUsage,
@@ -82,7 +83,7 @@ from celery_pulse.store.sql.tables import (
 )
 
 if TYPE_CHECKING:
-    from celery_pulse.store.sql.pipeline import Pipeline
+    from celery_pulse.store.sql.pipeline import InFlight, Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class SqlStore(Store):
             from celery_pulse.store.sql.pipeline import Pipeline
 
             self._pipeline = Pipeline(engine)
+            self.nonblocking_exchange = True
 
     def _single(self) -> Any:
         """A connection for independent statements, each atomic on its own.
@@ -447,12 +449,7 @@ class SqlStore(Store):
         A task id twice in one kind, or a batch over the chunk size, takes the general
         path (rare: the keeper's batches are of distinct, recent tasks).
         """
-        ids = ([c.task_id for c in completions], [r.task_id for r in reserves],
-               [lease[0] for lease in starts])
-        if self._pipeline is None or not any(ids) or any(
-                len(kind) > _CHUNK or len(set(kind)) < len(kind) for kind in ids) or any(
-                c.result is not None and c.result.counter is not None for c in completions):
-            # (A chord part's counter is counted in a transaction of its own: rare.)
+        if not self._pipelined(completions, reserves, starts):
             return super().exchange(holder, ttl, completions, reserves, starts, permits)
         limited, starts = _permits.as_needs(permits, starts)
         if limited:
@@ -464,6 +461,44 @@ class SqlStore(Store):
             started = self._start_limited(holder, limited, ttl, permits or {}, waiting)
             return dataclasses.replace(done, started={**done.started, **started},
                                        waiting=frozenset(waiting))
+        assert self._pipeline is not None
+        flight = self._pipeline.begin("exchange", self._exchange_statements(
+            holder, ttl, completions, reserves, starts))
+        flight.wait(None)
+        answers = PipelinedExchange(self, holder, flight, completions, reserves,
+                                    bool(starts)).finish(blocking=True)
+        assert answers is not None
+        return answers
+
+    def _pipelined(self, completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
+                   starts: Sequence[tuple[str, int, str]]) -> bool:
+        ids = ([c.task_id for c in completions], [r.task_id for r in reserves],
+               [lease[0] for lease in starts])
+        # (A chord part's counter is counted in a transaction of its own: rare.)
+        return self._pipeline is not None and any(ids) and not any(
+            len(kind) > _CHUNK or len(set(kind)) < len(kind) for kind in ids) and not any(
+            c.result is not None and c.result.counter is not None for c in completions)
+
+    def begin_exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                       reserves: Sequence[ReserveRequest],
+                       starts: Sequence[tuple[str, int, str]],
+                       permits: Mapping[str, Sequence[Permit]] | None = None
+                       ) -> PendingExchange | None:
+        """:meth:`exchange`, sent on the pipeline without waiting for the answer (for the
+        worker's event loop); None where it takes another path (see :meth:`exchange`)."""
+        if permits or not self._pipelined(completions, reserves, starts):
+            return None
+        assert self._pipeline is not None
+        flight = self._pipeline.begin_now("exchange", self._exchange_statements(
+            holder, ttl, completions, reserves, starts))
+        if flight is None:  # connecting (or waiting for another thread) would block
+            return None
+        return PipelinedExchange(self, holder, flight, completions, reserves, bool(starts))
+
+    def _exchange_statements(self, holder: str, ttl: float, completions: Sequence[Completion],
+                             reserves: Sequence[ReserveRequest],
+                             starts: Sequence[tuple[str, int, str]]
+                             ) -> list[tuple[str, tuple[Any, ...]]]:
         statements = []
         if completions:
             statements.append(self._complete_statement(completions))
@@ -471,7 +506,13 @@ class SqlStore(Store):
             statements.append(self._reserve_statement(holder, reserves, ttl))
         if starts:
             statements.append(self._start_statement(holder, starts, ttl))
-        results = iter(self._pipeline.run("exchange", statements))
+        return statements
+
+    def _exchanged(self, holder: str, completions: Sequence[Completion],
+                   reserves: Sequence[ReserveRequest], starts: bool,
+                   results: Iterator[list[tuple[Any, ...]]]) -> Exchanged:
+        """The answers of a committed pipelined exchange, from its rows (plus the reads
+        that say why a completion was stale or a reservation refused: rare)."""
         # Committed: from here on a failure only leaves some answers unknown (each of
         # them answered with the error), never the exchange undone.
         completed: dict[str, str | PulseError] = {}
@@ -1071,3 +1112,38 @@ def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True
     if check_schema:
         store.check_schema()
     return store
+
+
+class PipelinedExchange:
+    """An exchange in flight on the PostgreSQL pipeline (:meth:`SqlStore.begin_exchange`).
+
+    Drive :attr:`flight` to its end (``step`` on an event loop, or ``wait``), then
+    :meth:`finish` gives the answers. Most exchanges need nothing more than their rows;
+    one with a stale completion or a refused reservation reads why in a query of its
+    own, which ``finish(blocking=False)`` leaves to a caller that may block (None).
+    """
+
+    def __init__(self, store: SqlStore, holder: str, flight: InFlight,
+                 completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
+                 starts: bool) -> None:
+        self.store, self.holder, self.flight = store, holder, flight
+        self.completions, self.reserves, self.starts = completions, reserves, starts
+        self._rows: list[list[tuple[Any, ...]]] | None = None
+
+    def finish(self, *, blocking: bool) -> Exchanged | None:
+        """The answers (raises the store's error if the exchange failed)."""
+        if self._rows is None:
+            self._rows = self.flight.rows()
+        rows = self._rows
+        if not blocking and self._needs_reads(rows):
+            return None
+        return self.store._exchanged(self.holder, self.completions, self.reserves,
+                                     self.starts, iter(rows))
+
+    def _needs_reads(self, rows: list[list[tuple[Any, ...]]]) -> bool:
+        at = 0
+        if self.completions:
+            if len(rows[at]) < len(self.completions):
+                return True
+            at += 1
+        return bool(self.reserves) and len(rows[at]) < len(self.reserves)
