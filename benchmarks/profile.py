@@ -4,7 +4,8 @@ One pulse worker (RabbitMQ, PostgreSQL store, ``-c 2``) works through a long que
 no-op tasks while ``py-spy record --subprocesses --idle`` samples every thread for a
 few seconds. Each sample of the consumer loop (the parent's main thread) is put in
 one category by the frames on its stack; pool children are split into "waiting for
-a job" and the rest; the commit thread into the exchange's round trip, its Python
+a job" and the rest; the commit thread (on PostgreSQL it only takes what would block
+the loop, which runs the exchanges itself) into the exchange's round trip, its Python
 side and idle.
 Sampling slows the worker down, so only shares are reported, not a rate.
 """
@@ -26,6 +27,8 @@ from benchmarks import infra
 LOOP_CATEGORIES = (
     ("ConsumeGate.apply", "prefetch gate: basic.cancel / basic.consume (blocking RPC)"),
     ("_epoll.poll", "idle (waiting in epoll)"),
+    ("LoopCommitter._on_io", "store exchange: answers read and handed out"),
+    ("LoopCommitter", "store exchange: statements sent"),
     ("PulseWorker.ack", "ack after the reservation"),
     ("Intake._settle", "reservation settled: Celery strategy, request"),
     ("Intake.wrap", "intake: delivery handler"),

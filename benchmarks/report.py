@@ -893,6 +893,10 @@ def _unmeasured(tp: dict[str, Any], variant: str) -> str:
             f"time budget).")
 
 
+def _exchange_share(loop: dict[str, float]) -> float:
+    return sum(share for name, share in loop.items() if name.startswith("store exchange"))
+
+
 def bottleneck(prof: dict[str, Any], sq: dict[str, Any] | None) -> str:
     """Which part of the worker limits the rate, from the profile."""
     loop = prof["consumer_loop"]
@@ -902,8 +906,9 @@ def bottleneck(prof: dict[str, Any], sq: dict[str, Any] | None) -> str:
     commit_busy = 100 - commit.get("idle", 100.0)
     text = (f"The py-spy profile shows where it goes: the pool children wait for work "
             f"{waiting:.0f}% of the time; the consumer loop is busy {loop_busy:.0f}% of the "
-            f"time and the commit thread (the hot path's exchanges with the store) "
-            f"{commit_busy:.0f}%. ")
+            f"time (of which the store exchanges it runs itself: "
+            f"{_exchange_share(loop):.0f}%) and the commit thread (what of the hot path "
+            f"would block the loop) {commit_busy:.0f}%. ")
     if _ok(sq) and sq.get("ops_per_exchange"):  # type: ignore[union-attr]
         text += (f"Under load an exchange carried {sq['ops_per_exchange']:.1f} operations "  # type: ignore[index]
                  f"(reservations, starts and completions) in one round trip. ")
@@ -922,7 +927,7 @@ def _md_profile(pr: dict[str, Any], lines: list[str], results: dict[str, Any]) -
               f"worked through a long queue of no-op tasks. Shares of samples:", ""]
     for title, key in (("Consumer loop (parent, main thread)", "consumer_loop"),
                        ("Pool children (all)", "children"),
-                       ("Commit thread (the hot path's exchanges)", "commit_thread")):
+                       ("Commit thread (what of the hot path would block the loop)", "commit_thread")):
         rows = [[k, f"{v:.1f}%"] for k, v in pr.get(key, {}).items()]
         lines += [f"**{title}**", "", table(rows, ["Where", "Share"]), ""]
     lines.append("**What this means.** " + bottleneck(pr, results["sections"].get("sqlcost")))

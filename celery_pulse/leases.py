@@ -9,7 +9,10 @@ Rules:
   reservations and starts, batched: whatever queued up while the previous exchange
   was in flight goes in the next one, all kinds in one round trip where the store
   pipelines them) and the *renewer* (one statement per interval for every lease
-  held). None depends on the broker.
+  held). None depends on the broker. The one exception: where the store sends
+  exchanges without blocking, the committer's work for ops submitted on the worker's
+  event loop is done on that loop (:mod:`celery_pulse.loop_commit`), and the thread
+  takes only what would block it.
 * A lease's local deadline is ``sent_at(last successful grant or renewal) + ttl -
   margin`` on the monotonic clock. Past it the lease is lost even if the store
   cannot be reached: it ends here before the store could grant it to anyone else.
@@ -412,7 +415,8 @@ class LeaseKeeper:
     # -- group commit -----------------------------------------------------------
     def submit_reserve(self, request: ReserveRequest, callback: ReserveCallback,
                        urgent: bool = True) -> None:
-        """Queue a reservation; ``callback(result, sent_at)`` runs on the commit thread.
+        """Queue a reservation; ``callback(result, sent_at)`` runs on the commit thread
+        (or on the event loop, if the loop committer sent it).
 
         ``urgent``: a free pool process waits for it (else it may linger for company).
         """
@@ -426,7 +430,8 @@ class LeaseKeeper:
         start ahead of the pool may linger for company. ``callback(result)`` runs on the
         commit thread: True (running: hand the job over), False (refused or lost
         meanwhile: never run it), :data:`WAITING` (no free concurrency permit for
-        ``claim.permits``: still reserved) or the store error.
+        ``claim.permits``: still reserved) or the store error. Callbacks run on the commit
+        thread, or on the event loop if the loop committer sent the exchange.
         """
         self._submit(("start", claim, callback, urgent))
 

@@ -112,7 +112,7 @@ class StartAhead:
             self.queued.clear()  # jobs got long: they start when their process is free
 
     def _answer_to(self, claim: LocalClaim) -> Callable[[Any], None]:
-        def answer(result: Any) -> None:  # on the commit thread
+        def answer(result: Any) -> None:  # on the commit thread or the loop
             self._loop().call(self._answered, claim, result)
         return answer
 

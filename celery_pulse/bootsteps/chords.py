@@ -39,7 +39,7 @@ class ChordFinisher:
         self._thread.start()
 
     def counted(self, part: dict[str, Any], count: int, nonce: str) -> None:
-        """A part's completion counted it (from the commit thread)."""
+        """A part's completion counted it (from the commit thread or the loop)."""
         self._queue.put((part, count, nonce))
 
     def stop(self, timeout: float = 30.0) -> None:
