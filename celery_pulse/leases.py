@@ -556,14 +556,13 @@ class LeaseKeeper:
                    notify: list[Callable[[], None]]) -> None:
         """What the loop committer hands this thread (see :mod:`celery_pulse.loop_commit`):
         an exchange it cannot send without blocking (``batch``: sent with the next one
-        here), one it sent whose end may block (``finish``, done now: the rest of a big
-        request, the follow-up reads of a refusal or a stale completion), or a ``barrier``
+        here), one it sent whose end may block (``finish``, done now: the follow-up
+        reads of a refusal or a stale completion), or a ``barrier``
         (nothing: its callback runs once what queued up before it has gone out)."""
         kind, item, callback = op[0], op[1], op[2]
         if kind == "finish":
             pending_exchange, completes, reserves, starts, sent = item
             try:
-                pending_exchange.flight.wait(None)  # (the rest of a big request to send)
                 done = pending_exchange.finish(blocking=True)
                 assert done is not None
             except Exception as exc:

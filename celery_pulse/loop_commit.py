@@ -45,6 +45,8 @@ Op = tuple[str, Any, Any, bool]
 
 #: Longest wait (seconds) between tries of completions the store could not take.
 MAX_BACKOFF = 2.0
+#: Seconds between tries to send the rest of a request the socket did not take at once.
+WRITE_RETRY = 0.0005
 
 
 class Reactor(Protocol):
@@ -84,6 +86,7 @@ class LoopCommitter:
         #: What nothing waits for lingers up to LINGER for company (this timer), then goes.
         self._linger: Any = None
         self._due = False
+        self._write_timer: Any = None
 
     # -- lifecycle -------------------------------------------------------------------
     def attach(self) -> None:
@@ -185,13 +188,30 @@ class LoopCommitter:
             self._hand_over(("batch", (completes, reserves, starts)))
             return
         keeper.count_exchange(completes, reserves, starts)
-        if exchange.flight.writing:
-            # Bigger than the socket takes at once (rare): the thread sends the rest.
-            self._hand_over(("finish", (exchange, *ops)))
-            return
         self._exchange, self._ops = exchange, ops
         self._fd = exchange.flight.fileno
         self.reactor.add_reader(self._fd, self._on_io)
+        if exchange.flight.writing:  # bigger than the socket took at once (rare)
+            self._write_timer = self.reactor.call_later(WRITE_RETRY, self._send_more)
+
+    def _send_more(self) -> None:
+        """Send the rest of a big request (a timer: only the reader answers, see
+        :meth:`_on_io`)."""
+        self._write_timer = None
+        exchange, ops = self._exchange, self._ops
+        if exchange is None or ops is None:
+            return
+        try:
+            try:
+                more = exchange.flight.send_more()
+            except Exception as exc:
+                self._stop_io()
+                self._failed(exc, ops)  # (their callbacks run after the loop's next poll)
+                return
+            if more:
+                self._write_timer = self.reactor.call_later(WRITE_RETRY, self._send_more)
+        except Exception:
+            logger.exception("pulse: loop committer failed")
 
     def _hand_over(self, what: tuple[str, Any]) -> None:
         """Give the thread an exchange: it answers the ops (from the thread: their
@@ -232,6 +252,10 @@ class LoopCommitter:
     def _stop_io(self) -> None:
         fd, self._fd = self._fd, None
         self._exchange = self._ops = None
+        timer, self._write_timer = self._write_timer, None
+        if timer is not None:
+            with contextlib.suppress(Exception):
+                timer.cancel()
         if fd is not None:
             with contextlib.suppress(Exception):  # gone already if the loop was reset
                 self.reactor.remove_reader(fd)

@@ -321,12 +321,17 @@ class InFlightIO(Protocol):
 
     #: The connection's socket: step when it is readable.
     fileno: int
-    #: Some of the request is not sent yet: step again soon, readable or not.
+    #: Some of the request is not sent yet: :meth:`send_more` soon, readable or not.
     writing: bool
     done: bool
 
     def step(self) -> bool:
         """Send what is left and read what came, never blocking; True once all is in."""
+        ...
+
+    def send_more(self) -> bool:
+        """Send what is left of the request, never blocking, reading nothing; True while
+        some of it is still unsent."""
         ...
 
     def wait(self, timeout: float | None) -> None:

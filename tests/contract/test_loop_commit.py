@@ -215,6 +215,24 @@ def test_a_refused_reservation_is_answered_after_the_reads_the_thread_makes(
     assert answers.threads["taken"] == "pulse-commit"  # why it was refused: a read
 
 
+def test_a_request_bigger_than_the_socket_takes_is_sent_on_from_the_loop(
+        store: SqlStore, hub: Hub, keeper: LeaseKeeper) -> None:
+    committer = committer_of(keeper)
+    run_loop(hub, lambda: committer.active)
+    big = request("big")
+    body = b"x" * (32 * 2**20)  # more than any socket buffer takes at once
+    big = ReserveRequest(big.task_id, big.task_name, Message(
+        body, {"id": "big"}, {}, {}, "application/octet-stream", "binary"),
+        big.policy, big.max_attempts, big.retries, big.publication, False)
+    answers = Answers()
+    keeper.submit_reserve(big, answers.to("big"), urgent=True)
+    committer._tick()
+    assert committer._exchange is not None and committer._exchange.flight.writing
+    run_loop(hub, lambda: "big" in answers.got, timeout=30)
+    assert isinstance(answers.got["big"], Grant)
+    assert answers.threads["big"] == threading.current_thread().name
+
+
 def test_the_first_exchange_connects_from_the_thread_and_the_next_go_from_the_loop(
         store: SqlStore, hub: Hub, keeper: LeaseKeeper) -> None:
     assert store._pipeline is not None

@@ -219,6 +219,18 @@ class InFlight:
             raise
         return self.done
 
+    def send_more(self) -> bool:
+        """Send what libpq still holds (never blocks, reads nothing); True while some of
+        it is still unsent."""
+        if self.writing:
+            try:
+                with translated(self.where), driver_translated(self.where):
+                    self.writing = self._io.flush()
+            except BaseException:
+                self._fail()
+                raise
+        return self.writing
+
     def _read(self) -> None:
         """Take what libpq has read already (no system call)."""
         pg = self.conn.pgconn
