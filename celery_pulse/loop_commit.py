@@ -174,16 +174,15 @@ class LoopCommitter:
         sent = keeper.monotonic()
         claims = [op[1] for op in starts]
         permits = {c.task_id: c.permits for c in claims if c.permits}
+        ops = (completes, reserves, starts, sent)
         try:
             exchange = keeper.store.begin_exchange(
                 keeper.holder, keeper.ttl, [op[1] for op in completes],
                 [op[1] for op in reserves], [c.key for c in claims], permits or None)
-        except Exception:
-            # Nothing was committed (the request never went out whole): the thread sends
-            # it again, after a reconnect, and answers it.
-            logger.debug("pulse: sending an exchange from the loop failed", exc_info=True)
-            exchange = None
-        ops = (completes, reserves, starts, sent)
+        except Exception as exc:  # as a failed exchange: its effect is unknown
+            keeper.count_exchange(completes, reserves, starts)
+            self._failed(exc, ops)  # (their callbacks run after the loop's next poll)
+            return
         if exchange is None:  # it would block: the committer thread sends it
             self._hand_over(("batch", (completes, reserves, starts)))
             return
