@@ -68,10 +68,19 @@ BATCH = 64
 #: reservations in flight than it holds) idle for most of it: 2,000 no-op tasks ran at
 #: 1,281 tasks/s that way, 1,544 with this (RabbitMQ, ``-c 2``, medians of 3).
 QUIET = 0.0002
-#: Seconds before completions the store could not take are sent again (doubling to 2 s).
+#: Seconds before completions the store could not take are sent again (doubling up to
+#: MAX_BACKOFF).
 FIRST_BACKOFF = 0.2
+MAX_BACKOFF = 2.0
 #: Op kinds the loop committer hands the commit thread (:meth:`LeaseKeeper._from_loop`).
 _FROM_LOOP = frozenset({"batch", "finish", "barrier"})
+
+
+def waited_for(op: tuple[str, Any, Any, bool]) -> bool:
+    """Whether something waits for ``op`` (it goes out at once, not lingering): its
+    submitter said so, or it is a retry's completion, which re-opens the claim its next
+    delivery needs."""
+    return op[3] or (op[0] == "complete" and op[1].outcome == RETRY)
 
 
 def _notify(callbacks: list[Callable[[], None]]) -> None:
@@ -513,7 +522,7 @@ class LeaseKeeper:
                     continue
                 pending[op[0]].append(op)
                 # A retry's completion re-opens the claim its next delivery needs.
-                urgent = urgent or op[3] or (op[0] == "complete" and op[1].outcome == RETRY)
+                urgent = urgent or waited_for(op)
             count = sum(len(ops) for ops in pending.values())
             if not count:
                 _notify(notify)
@@ -545,7 +554,7 @@ class LeaseKeeper:
                 logger.warning("pulse: recording %d completion(s) failed, retrying: %s",
                                len(completes), failed)
                 due_at = time.monotonic() + delay
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, MAX_BACKOFF)
             else:
                 due_at = None
             if closing and not pending["complete"]:

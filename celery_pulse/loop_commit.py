@@ -36,15 +36,20 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from celery_pulse.leases import BATCH, FIRST_BACKOFF, LINGER, LeaseKeeper
-from celery_pulse.store.base import RETRY, PendingExchange
+from celery_pulse.leases import (
+    BATCH,
+    FIRST_BACKOFF,
+    LINGER,
+    MAX_BACKOFF,
+    LeaseKeeper,
+    waited_for,
+)
+from celery_pulse.store.base import PendingExchange
 
 logger = logging.getLogger(__name__)
 
 Op = tuple[str, Any, Any, bool]
 
-#: Longest wait (seconds) between tries of completions the store could not take.
-MAX_BACKOFF = 2.0
 #: Seconds between tries to send the rest of a request the socket did not take at once.
 WRITE_RETRY = 0.0005
 
@@ -61,6 +66,12 @@ class Reactor(Protocol):
     def call_soon(self, callback: Callable[..., Any], *args: Any) -> Any: ...
 
     def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Any: ...
+
+
+def _cancel(timer: Any) -> None:
+    if timer is not None:
+        with contextlib.suppress(Exception):
+            timer.cancel()
 
 
 class LoopCommitter:
@@ -105,7 +116,7 @@ class LoopCommitter:
 
     def submit(self, op: Op) -> None:
         self.pending[op[0]].append(op)
-        if op[3] or (op[0] == "complete" and op[1].outcome == RETRY):
+        if waited_for(op):
             self._urgent = True  # a pool process (or a retry's next delivery) waits for it
         elif self._linger is None and not self._urgent:
             self._linger = self.reactor.call_later(LINGER, self._lingered)
@@ -117,10 +128,8 @@ class LoopCommitter:
             return
         self.attached = False  # from now on ops go straight to the thread
         self.reactor.on_tick.discard(self._tick)
-        if self._linger is not None:
-            with contextlib.suppress(Exception):
-                self._linger.cancel()
-            self._linger = None
+        _cancel(self._linger)
+        self._linger = None
         exchange, ops = self._exchange, self._ops
         self._stop_io()
         answers = None
@@ -164,10 +173,8 @@ class LoopCommitter:
     def _send(self) -> None:
         keeper = self.keeper
         self._urgent = self._due = False
-        if self._linger is not None:
-            with contextlib.suppress(Exception):
-                self._linger.cancel()
-            self._linger = None
+        _cancel(self._linger)
+        self._linger = None
         completes, reserves, starts = (self.pending["complete"], self.pending["reserve"],
                                        self.pending["start"])
         self.pending = {"complete": [], "reserve": [], "start": []}
@@ -251,10 +258,8 @@ class LoopCommitter:
     def _stop_io(self) -> None:
         fd, self._fd = self._fd, None
         self._exchange = self._ops = None
-        timer, self._write_timer = self._write_timer, None
-        if timer is not None:
-            with contextlib.suppress(Exception):
-                timer.cancel()
+        _cancel(self._write_timer)
+        self._write_timer = None
         if fd is not None:
             with contextlib.suppress(Exception):  # gone already if the loop was reset
                 self.reactor.remove_reader(fd)

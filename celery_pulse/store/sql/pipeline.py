@@ -17,7 +17,7 @@ import functools
 import select
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -178,7 +178,6 @@ class Pipeline:
                 conn.close()
 
 
-
 class InFlight:
     """One exchange sent on a :class:`Pipeline` and not read back yet.
 
@@ -206,30 +205,34 @@ class InFlight:
 
     def step(self) -> bool:
         """Send what is left, read what arrived; True once every result is in."""
-        if self.done:
-            return True
-        try:
-            with translated(self.where), driver_translated(self.where):
-                if self.writing:
-                    self.writing = self._io.flush()
-                self._io.consume()
-                self._read()
-        except BaseException:
-            self._fail()
-            raise
+        if not self.done:
+            with self._guard():
+                self._pump()
         return self.done
 
     def send_more(self) -> bool:
         """Send what libpq still holds (never blocks, reads nothing); True while some of
         it is still unsent."""
         if self.writing:
-            try:
-                with translated(self.where), driver_translated(self.where):
-                    self.writing = self._io.flush()
-            except BaseException:
-                self._fail()
-                raise
+            with self._guard():
+                self.writing = self._io.flush()
         return self.writing
+
+    def _pump(self) -> None:
+        if self.writing:
+            self.writing = self._io.flush()
+        self._io.consume()
+        self._read()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """The store's errors for the driver's; any failure drops the connection."""
+        try:
+            with translated(self.where), driver_translated(self.where):
+                yield
+        except BaseException:
+            self._fail()
+            raise
 
     def _read(self) -> None:
         """Take what libpq has read already (no system call)."""
@@ -255,34 +258,24 @@ class InFlight:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         poll = self.pipeline._poll
-        try:
-            with translated(self.where), driver_translated(self.where):
-                self._read()
-                while not self.done:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise StoreUnavailable(f"store unavailable during {self.where}: "
-                                               f"no answer in {timeout:g}s")
-                    poll.modify(self.fileno,
-                                select.POLLIN | (select.POLLOUT if self.writing else 0))
-                    poll.poll(None if left is None else max(1, int(left * 1000)))
-                    if self.writing:
-                        self.writing = self._io.flush()
-                    self._io.consume()
-                    self._read()
-        except BaseException:
-            self._fail()
-            raise
+        with self._guard():
+            self._read()
+            while not self.done:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise StoreUnavailable(f"store unavailable during {self.where}: "
+                                           f"no answer in {timeout:g}s")
+                poll.modify(self.fileno,
+                            select.POLLIN | (select.POLLOUT if self.writing else 0))
+                poll.poll(None if left is None else max(1, int(left * 1000)))
+                self._pump()
 
     def rows(self) -> list[list[tuple[Any, ...]]]:
         """The rows of each statement, once :attr:`done`."""
         assert self.done, "rows() before the exchange ended"
         try:
-            with translated(self.where), driver_translated(self.where):
+            with self._guard():
                 return self._rows()
-        except BaseException:
-            self._fail()
-            raise
         finally:
             self._end()
 
