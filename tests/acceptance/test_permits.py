@@ -545,7 +545,7 @@ def test_stale_completion_of_a_paused_worker_frees_no_permit(
     if late:
         assert stale.end.kind == "end", stale
         assert late == [(1, "succeeded")], late
-        assert f"late outcome 'succeeded' for task {t1} epoch 1 kept as evidence" in a.log()
+        a.wait_log(f"late outcome 'succeeded' for task {t1} epoch 1 kept as evidence", 10)
     rows = claim_rows(pg_url, [t1, x, y])
     # B's two tasks kept their first reservation while they waited (renewed throughout,
     # A's pause included); T1 ran again under a later epoch.
