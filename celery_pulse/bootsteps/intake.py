@@ -19,6 +19,7 @@ Per delivery (on the consumer loop):
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -179,6 +180,11 @@ class Intake:
                 return None
             if not admitted and (self.waiting or self._over_prefetch_limit(headers)):
                 if self._holds_over_limit():
+                    if not self.pulse.gate.is_open:
+                        # Paused (fenced, draining, store down): those held went back to
+                        # the broker when it paused; so does one that came after.
+                        self._give_back(message)
+                        return None
                     # Keep it unacknowledged (the broker still owns it) until a
                     # reservation starts. Unacked deliveries count against the broker's
                     # own prefetch limit (basic.qos), so the broker stops sending by
@@ -403,18 +409,34 @@ class Intake:
                 self._refused(result, request, message, body, callbacks, handler)
             elif isinstance(result, Contended):
                 self._contended(request, result)
-                self.loop.later(CONTENDED_RETRY, handler, message, body, None, None, callbacks)
+                self._again(CONTENDED_RETRY, handler, message, body, callbacks)
             else:
                 self._store_error(result if isinstance(result, PulseError)
                                   else PulseError(str(result)))
                 if self.loop.hub is not None:
-                    self.loop.later(self._backoff, handler, message, body, None, None, callbacks)
+                    self._again(self._backoff, handler, message, body, callbacks)
         finally:
             self.pulse.ahead.settled(claim, request.start, may_wait and claim is not None
                                      and not claim.scheduled)
             for args in same_id:  # now decided against the settled reservation
                 self.loop.call(handler, *args)
             self.pulse.admit_waiting()
+
+    def _again(self, delay: float, handler: Callable[..., Any], message: Any, body: Any,
+               callbacks: Any) -> None:
+        """Reserve an admitted delivery again after ``delay``, as admitted: it counted
+        under the prefetch limit already. Held back over the limit instead, the retry that
+        would tell the store is back could wait behind a paused consumer for good."""
+        self.loop.later(delay, functools.partial(handler, admitted=True), message, body,
+                        None, None, callbacks)
+
+    def _give_back(self, message: Any) -> None:
+        try:
+            message.reject(requeue=True)
+        except Exception as exc:  # the channel is gone: the broker redelivers anyway
+            logger.debug("pulse: could not requeue a held delivery: %r", exc)
+            return
+        logger.warning("pulse: gave a delivery back to the broker (consumption paused)")
 
     def _hand_to_celery(self, claim: LocalClaim, inner: Callable[..., Any], message: Any,
                         body: Any, callbacks: Any) -> None:
@@ -438,7 +460,7 @@ class Intake:
         if refusal.reason == "taken" and newer:
             # A new publication (a retry, a replacement, an id sent again) while an
             # attempt of the previous one is still live: it runs once that one ends.
-            self.loop.later(0.25, handler, message, body, None, None, callbacks)
+            self._again(0.25, handler, message, body, callbacks)
             return
         self.pulse.ack(message)
         if refusal.reason == "exhausted":

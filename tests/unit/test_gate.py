@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery_pulse.bootsteps.gate import ConsumeGate
 from celery_pulse.bootsteps.intake import Intake
 
@@ -102,7 +104,9 @@ def test_a_contended_reservation_is_tried_again_without_pausing_consumption() ->
     intake._settle(Contended("deadlock"), 0.0, request, _Message(), b"[]", None, handler,
                    handler)
     assert gate.is_open and consumer.task_consumer.calls == []
-    assert later == [(CONTENDED_RETRY, handler)] and settled == [None]
+    ((delay, again),) = later
+    assert (delay, again.func, again.keywords) == (CONTENDED_RETRY, handler, {"admitted": True})
+    assert settled == [None]
     assert pulse.keeper.counters.contended == 1 and intake.pending == 0
 
     # An outage, by contrast, pauses consumption until the store answers.
@@ -110,3 +114,67 @@ def test_a_contended_reservation_is_tried_again_without_pausing_consumption() ->
     intake._settle(StoreUnavailable("down"), 0.0, request, _Message(), b"[]", None, handler,
                    handler)
     assert not gate.is_open and consumer.task_consumer.calls == ["cancel"]
+
+
+
+def test_a_store_outage_at_the_prefetch_limit_keeps_asking_the_store_and_holds_nothing(
+        ) -> None:
+    """Seen in the fault suite (RabbitMQ on MariaDB): a reservation failed with the store
+    down, consumption paused, and its retry found the worker at the prefetch limit (two
+    reservations had been granted meanwhile). Held back like a new delivery, the retry
+    waited for a resume that only a successful reservation brings: deliveries unacked
+    for good. A retry counts as admitted; a delivery that arrives while paused goes back."""
+    from types import SimpleNamespace
+
+    from celery_pulse.errors import StoreUnavailable
+    from celery_pulse.leases import Counters
+
+    consumer = _Consumer()
+    submitted: list[tuple[str, Any]] = []
+    timers: list[tuple[Any, tuple[Any, ...]]] = []
+    keeper = SimpleNamespace(
+        counters=Counters(), unstarted=lambda: 0, get=lambda task_id: None,
+        submit_reserve=lambda request, on_result, urgent: submitted.append(
+            (request.task_id, on_result)))
+    pulse = SimpleNamespace(
+        keeper=keeper, prefetch_limit=2, waiting_for_permits=lambda: 0,
+        settings=SimpleNamespace(on_lost=None, max_attempts=3),
+        loop=SimpleNamespace(later=lambda delay, fn, *args: timers.append((fn, args)),
+                             call=lambda fn, *args: fn(*args), hub=object()),
+        ahead=SimpleNamespace(folding=0, fold=lambda free: False,
+                              settled=lambda claim, folded, may_wait: None),
+        rules=SimpleNamespace(limited=lambda task, routing_key: False),
+        admit_waiting=lambda: None)
+    intake = Intake(pulse, consumer)
+    pulse.gate = ConsumeGate(consumer, on_pause=intake.requeue_waiting)
+    intake._hold = True  # AMQP: over the limit, a delivery may wait unacknowledged
+    handler = intake.wrap(SimpleNamespace(name="proj.add"), lambda *args: None)
+
+    first = _Delivery("a")
+    handler(first, None, None, None, None)
+    assert [task_id for task_id, _ in submitted] == ["a"]
+    keeper.unstarted = lambda: 2  # two other reservations granted meanwhile: at the limit
+    submitted[0][1](StoreUnavailable("store unavailable during reserve"), 0.0)
+    assert not pulse.gate.is_open and consumer.task_consumer.calls == ["cancel"]
+
+    late = _Delivery("b")  # prefetched before the broker saw the cancel
+    handler(late, None, None, None, None)
+    assert late.rejected == [True] and not intake.waiting  # given back, never acked
+
+    (retry, args), = timers
+    retry(*args)
+    assert [task_id for task_id, _ in submitted] == ["a", "a"]  # the store is asked again
+    assert not intake.waiting and first.rejected == []
+
+
+class _Delivery(_Message):
+    """A task message as kombu hands it to the strategy."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__()
+        self.headers = {"id": task_id}
+        self.properties: dict[str, object] = {}
+        self.delivery_info = {"routing_key": "q"}
+        self.body = b"[]"
+        self.content_type = "application/json"
+        self.content_encoding = "utf-8"
