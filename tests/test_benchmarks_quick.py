@@ -2,7 +2,9 @@
 
 Runs ``python -m benchmarks run --quick --output <tmp>`` in a subprocess (real workers,
 brokers, PostgreSQL, RedBeat) and checks only that it finished and wrote its report:
-no timing is asserted here (that is what the report itself is for).
+no timing is asserted here (that is what the report itself is for). The timeouts only
+guard against a hang: the quick run takes ~4.5 minutes on a 2-core machine (4.4 there at
+6517c90), so 300 s, the guard until then, was within a slow machine's reach.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.benchmark
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(540)
 def test_benchmark_quick_mode_runs_and_writes_its_report(tmp_path: Path) -> None:
     for name in ("postgres", "mariadb", "rabbitmq", "redis"):
         services.require(name)
     out = tmp_path / "report"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "run", "--quick", "--output", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
     # The console table.
     assert "Verdict" in proc.stdout and "Throughput" in proc.stdout, proc.stdout
