@@ -183,7 +183,9 @@ class Intake:
                     if not self.pulse.gate.is_open:
                         # Paused (fenced, draining, store down): those held went back to
                         # the broker when it paused; so does one that came after.
-                        self._give_back(message)
+                        if self._give_back(message):
+                            logger.warning("pulse: gave a delivery back to the broker "
+                                           "(consumption paused)")
                         return None
                     # Keep it unacknowledged (the broker still owns it) until a
                     # reservation starts. Unacked deliveries count against the broker's
@@ -285,11 +287,7 @@ class Intake:
         requeued = 0
         while self.waiting:
             _handler, message, *_rest = self.waiting.popleft()
-            try:
-                message.reject(requeue=True)
-                requeued += 1
-            except Exception as exc:  # the channel is gone: the broker redelivers anyway
-                logger.debug("pulse: could not requeue a held delivery: %r", exc)
+            requeued += self._give_back(message)
         if requeued:
             logger.warning("pulse: gave %d held delivery(ies) back to the broker", requeued)
         return requeued
@@ -430,13 +428,15 @@ class Intake:
         self.loop.later(delay, functools.partial(handler, admitted=True), message, body,
                         None, None, callbacks)
 
-    def _give_back(self, message: Any) -> None:
+    @staticmethod
+    def _give_back(message: Any) -> bool:
+        """Requeue an unacknowledged delivery; whether the broker took it back."""
         try:
             message.reject(requeue=True)
         except Exception as exc:  # the channel is gone: the broker redelivers anyway
             logger.debug("pulse: could not requeue a held delivery: %r", exc)
-            return
-        logger.warning("pulse: gave a delivery back to the broker (consumption paused)")
+            return False
+        return True
 
     def _hand_to_celery(self, claim: LocalClaim, inner: Callable[..., Any], message: Any,
                         body: Any, callbacks: Any) -> None:

@@ -116,6 +116,18 @@ def test_a_contended_reservation_is_tried_again_without_pausing_consumption() ->
     assert not gate.is_open and consumer.task_consumer.calls == ["cancel"]
 
 
+class _Delivery(_Message):
+    """A task message as kombu hands it to the strategy."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__()
+        self.headers = {"id": task_id}
+        self.properties: dict[str, object] = {}
+        self.delivery_info = {"routing_key": "q"}
+        self.body = b"[]"
+        self.content_type = "application/json"
+        self.content_encoding = "utf-8"
+
 
 def test_a_store_outage_at_the_prefetch_limit_keeps_asking_the_store_and_holds_nothing(
         ) -> None:
@@ -165,16 +177,3 @@ def test_a_store_outage_at_the_prefetch_limit_keeps_asking_the_store_and_holds_n
     retry(*args)
     assert [task_id for task_id, _ in submitted] == ["a", "a"]  # the store is asked again
     assert not intake.waiting and first.rejected == []
-
-
-class _Delivery(_Message):
-    """A task message as kombu hands it to the strategy."""
-
-    def __init__(self, task_id: str) -> None:
-        super().__init__()
-        self.headers = {"id": task_id}
-        self.properties: dict[str, object] = {}
-        self.delivery_info = {"routing_key": "q"}
-        self.body = b"[]"
-        self.content_type = "application/json"
-        self.content_encoding = "utf-8"
