@@ -18,6 +18,29 @@ from tests.helpers.workers import Env, Worker
 #: pytest-celery's fixtures on local -P pulse workers (tests/acceptance/test_pytest_celery.py).
 pytest_plugins = ["celery_pulse.contrib.pytest_celery"]
 
+#: Tests that must not run beside each other under pytest-xdist (``--dist loadgroup``):
+#: pytest-celery's nodes share one Redis database, which each test empties at its end, and
+#: the user-suite test checks that the broker and PostgreSQL hold nothing of its afterwards.
+SERIAL_GROUPS = {"tests/plugin/": "pytest-celery", "example_project/tests/": "pytest-celery"}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    services.make_process_vhost()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    services.drop_process_vhost()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = str(config.rootpath) + "/"
+    for item in items:
+        where = str(item.path).removeprefix(root)
+        for prefix, group in SERIAL_GROUPS.items():
+            if where.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
 STORES = ["sqlite", "postgres", "mariadb"]
 #: The fixture that makes a fresh store of each kind.
 STORE_FIXTURES = {"sqlite": "sqlite_url", "postgres": "pg_url", "mariadb": "mariadb_url"}
@@ -31,7 +54,7 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     services.require("postgres")
-    schema = Schema(services.PG_ADMIN_URL).create()
+    schema = Schema(services.PG_ADMIN_URL, prefix=services.SCHEMA_PREFIX).create()
     try:
         yield schema.url
     finally:
@@ -41,7 +64,7 @@ def pg_url() -> Iterator[str]:
 @pytest.fixture
 def mariadb_url() -> Iterator[str]:
     services.require("mariadb")
-    database = Database(services.MARIADB_ADMIN_URL).create()
+    database = Database(services.MARIADB_ADMIN_URL, prefix=services.SCHEMA_PREFIX).create()
     try:
         yield database.url
     finally:
@@ -134,6 +157,14 @@ def rabbitmq_url() -> str:
 
 
 @pytest.fixture
+def rabbitmq_vhost_url() -> Iterator[str]:
+    """RabbitMQ on a vhost of the test's own, for a test that cuts broker connections."""
+    services.require("rabbitmq")
+    with services.private_vhost(services.RABBIT_URL) as url:
+        yield url
+
+
+@pytest.fixture
 def redis_url() -> str:
     services.require("redis")
     return services.REDIS_URL
@@ -141,7 +172,9 @@ def redis_url() -> str:
 
 @pytest.fixture
 def queue_name() -> str:
-    return "pulse-test-" + uuid.uuid4().hex[:10]
+    # Not the pytest-celery plugin's "pulse-test-": its leftover check (tests/plugin/
+    # test_user_suite.py) then sees only its own queues, whatever runs beside it.
+    return "pulse-case-" + uuid.uuid4().hex[:10]
 
 
 @pytest.fixture

@@ -22,10 +22,8 @@ import contextlib
 import dataclasses
 import json
 import signal
-import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ from celery import Celery
 from celery_pulse.store.base import Grant, Permit, PermitUsage
 from celery_pulse.store.sql import SqlStore, open_store
 from tests.contract import test_claims_contract as contract
-from tests.helpers.services import tidy_queue
+from tests.helpers.services import cut_vhost_connections, private_vhost, tidy_queue
 from tests.helpers.workers import Env, Worker, wait_for
 
 APP = "tests.apps.permitapp"
@@ -677,22 +675,6 @@ def test_queue_limit_holds_for_every_task_of_the_queue(
 
 
 # -- 8. a broker reconnect while a waiter's turn waits for a pool process ------------------------
-@contextlib.contextmanager
-def private_vhost(rabbitmq_url: str, name: str) -> Iterator[str]:
-    """A RabbitMQ vhost of the test's own: its connections can be cut without touching
-    anyone else's. The broker URL on it."""
-    def ctl(*args: str) -> None:
-        done = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True,
-                              timeout=60, check=False)
-        assert done.returncode == 0, f"rabbitmqctl {args}: {done.stderr}"
-    ctl("add_vhost", name)
-    try:
-        ctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
-        yield f"{rabbitmq_url.rstrip('/')}/{name}"
-    finally:
-        ctl("delete_vhost", name)
-
-
 def hold_permit(store: SqlStore, permit: Permit) -> Grant:
     """A claim of another holder (not a worker: the test itself) holding ``permit``."""
     g = contract.grant(store, "elsewhere@test", contract.request(), ttl=120)
@@ -716,7 +698,7 @@ def test_a_reconnect_never_leaves_later_waiters_stuck(
     store = store_of(pg_url)
     key, journal, gates = task_key(LIMITED), tmp_path / "journal.txt", tmp_path / "gates"
     gates.mkdir()
-    with private_vhost(rabbitmq_url, f"pulse_{uuid.uuid4().hex[:10]}") as broker:
+    with private_vhost(rabbitmq_url) as broker:
         env = penv(pg_url, broker, dict(FAST))
         env.conf["pulse_concurrency_limits"] = {LIMITED: 1}
         w = cluster.worker(env, "r@%h", concurrency=1)
@@ -740,10 +722,7 @@ def test_a_reconnect_never_leaves_later_waiters_stuck(
                        (w,), interval=0.3)
         first_epoch = claim_rows(pg_url, [limited])[limited].epoch
         elsewhere = hold_permit(store, Permit(key, 1))  # so the re-dispatched one waits again
-        done = subprocess.run(["rabbitmqctl", "close_all_connections", "--vhost",
-                               broker.rsplit("/", 1)[1], "pulse test: reconnect"],
-                              capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 0, done.stderr
+        cut_vhost_connections(broker, "pulse test: reconnect")
         wait_until(lambda: claim_rows(pg_url, [limited])[limited].epoch > first_epoch
                    and (u := usage(store, key)) is not None and u.waiting == 1, 30,
                    "the released task to be re-dispatched and wait again", (w,))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tests.helpers.mariadb import PrivateServer
+from tests.helpers.services import cut_vhost_connections
 from tests.helpers.workers import Env, Worker
 
 
@@ -209,10 +210,12 @@ class Nemesis(threading.Thread):
         self._stop_event.set()
 
 
-def rabbit_fault() -> None:
-    """Drop every client connection, as a broker restart would."""
-    subprocess.run(["rabbitmqctl", "close_all_connections", "pulse nemesis"],
-                   capture_output=True, timeout=60, check=False)
+def rabbit_fault(broker_url: str) -> Callable[[], None]:
+    """Drop every client connection on the scenario's own vhost, as a broker restart would
+    (the tests running beside it keep theirs)."""
+    def fault() -> None:
+        cut_vhost_connections(broker_url, "pulse nemesis")
+    return fault
 
 
 def redis_fault(redis: PrivateRedis) -> Callable[[], None]:

@@ -66,7 +66,7 @@ LIMITS = {LIMITED: 2}
 @pytest.fixture
 def history() -> Iterator[str]:
     services.require("postgres")
-    schema = Schema(services.PG_ADMIN_URL).create()
+    schema = Schema(services.PG_ADMIN_URL, prefix=services.SCHEMA_PREFIX).create()
     engine = sa.create_engine(schema.url)
     with engine.begin() as conn:
         conn.execute(sa.text("create table fault_events (id bigserial primary key, kind text, "
@@ -391,7 +391,8 @@ def _broker_state(env: Env, cluster: Cluster, stuck: list[str]) -> list[str]:
                           "consumers"],
                          ["list_channels", "connection", "name", "consumer_count",
                           "messages_unacknowledged", "prefetch_count"]):
-                proc = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True,
+                vhost = ["-p", services.vhost_of(env.broker_url)] if args[0] == "list_queues" else []
+                proc = subprocess.run(["rabbitmqctl", "-q", *args, *vhost], capture_output=True,
                                       text=True, timeout=60, check=False)
                 lines = proc.stdout.splitlines()
                 if args[0] == "list_queues":
@@ -436,10 +437,10 @@ def fault_env(private_server: PrivateServer, make_env: Callable[..., Env]
 
 @pytest.mark.parametrize("private_server", list(PRIVATE_SERVERS), indirect=True)
 def test_rabbitmq_scenario(fault_env: Callable[[str], Env], private_server: PrivateServer,
-                           rabbitmq_url: str, history: str,
+                           rabbitmq_vhost_url: str, history: str,
                            workers: Callable[..., Worker]) -> None:
-    _run_scenario("rabbitmq", fault_env(rabbitmq_url), private_server, history, workers,
-                  rabbit_fault)
+    _run_scenario("rabbitmq", fault_env(rabbitmq_vhost_url), private_server, history, workers,
+                  rabbit_fault(rabbitmq_vhost_url))
 
 
 def test_redis_scenario_with_broker_restarts(fault_env: Callable[[str], Env],
@@ -455,8 +456,8 @@ def test_redis_scenario_with_broker_restarts(fault_env: Callable[[str], Env],
 
 
 def test_clock_skew_changes_nothing(fault_env: Callable[[str], Env],
-                                    private_server: PrivateServer, rabbitmq_url: str,
+                                    private_server: PrivateServer, rabbitmq_vhost_url: str,
                                     history: str, workers: Callable[..., Worker]) -> None:
     """Workers whose wall clock is an hour ahead / behind: the store clock judges."""
-    _run_scenario("skew", fault_env(rabbitmq_url), private_server, history, workers,
-                  rabbit_fault, skews={"f1": 3600.0, "f2": -3600.0})
+    _run_scenario("skew", fault_env(rabbitmq_vhost_url), private_server, history, workers,
+                  rabbit_fault(rabbitmq_vhost_url), skews={"f1": 3600.0, "f2": -3600.0})
