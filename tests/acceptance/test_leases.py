@@ -268,6 +268,10 @@ def test_worker_never_holds_more_than_the_prefetch_limit(
     wait_for(lambda: reserved() >= limit, 20, f"{limit} reservations")
     if kind == "redis":
         w.wait_log(r"stopped consuming \(prefetch limit\)", timeout=10)
+        # The deliveries fetched before the pause are reserved (and acked) one by one after
+        # the line: wait until none is in flight, every task reserved or ready in the queue.
+        wait_for(lambda: reserved() + _ready_in_redis(env, ids) == len(ids), 10,
+                 "the deliveries fetched before the pause to be reserved")
     held = reserved()
     assert limit <= held <= limit + excess
     # Bounded observation window: it stays there.
