@@ -164,6 +164,7 @@ class TaskPool(prefork.TaskPool):
             raise
         if applied is not None:
             claim.dropped_by_pool = functools.partial(_dropped_unwritten, applied)
+            self._write_now()
         self.pulse.keeper.handed(claim)
         claim.handed_at = time.monotonic()
         self.pulse.ahead.left(claim)
@@ -171,6 +172,30 @@ class TaskPool(prefork.TaskPool):
             claim.request._apply_result = weakref.ref(applied)  # what Request.terminate uses
         self.pulse.admit_waiting()
         return applied
+
+    def _write_now(self) -> None:
+        """Write the job just queued to an idle pool process now, not on the loop's next turn.
+
+        billiard's asynpool queues a job and writes it once the next poll says a process's
+        pipe is writable. A job handed over as a result comes back (Celery's semaphore
+        releases its permit before the result callbacks run) would wait for pulse's
+        completion bookkeeping and the loop committer's turn first: measured, 0.6-0.7 ms
+        more per task between bodies than under plain prefork, 0.92x on 10 ms tasks. This
+        calls the pool's own writer (the hub's ``consolidate_callback``, which the poll
+        would call) with the idle processes' pipes: a pipe that can't take the job at once
+        is left to the loop, as always. On a pool without these parts nothing changes.
+        """
+        pool = self._pool
+        hub = self.pulse.loop.hub
+        schedule = getattr(hub, "consolidate_callback", None)
+        if schedule is None or not getattr(pool, "outbound_buffer", None):
+            return
+        try:
+            idle = pool._all_inqueues - pool._active_writes - pool._busy_workers
+            if idle:
+                schedule(list(idle))
+        except Exception as exc:  # the loop's next turn writes it, as without this
+            logger.warning("pulse: writing a job at once failed: %r", exc)
 
     def hand_over(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
                   result: bool | PulseError) -> Any:
