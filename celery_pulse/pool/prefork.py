@@ -194,7 +194,7 @@ class TaskPool(prefork.TaskPool):
             idle = pool._all_inqueues - pool._active_writes - pool._busy_workers
             if idle:
                 schedule(list(idle))
-        except Exception as exc:  # the loop's next turn writes it, as without this
+        except Exception as exc:  # what the poll's own call would have met: not ours to fix
             logger.warning("pulse: writing a job at once failed: %r", exc)
 
     def hand_over(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
