@@ -73,10 +73,14 @@ def require(name: str) -> None:
     """Skip (locally) or fail (CI) when service ``name`` is not reachable."""
     plugin_services.require(name, *SERVICES[name])
     if name == "rabbitmq" and _vhost_error is not None:
-        message = f"RabbitMQ vhost {PROCESS_VHOST} could not be made: {_vhost_error}"
-        if IN_CI:
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+        _skip_or_fail(f"RabbitMQ vhost {PROCESS_VHOST} could not be made: {_vhost_error}", "")
+
+
+def _skip_or_fail(message: str, in_ci: str) -> None:
+    """Skip the test with ``message``; with ``CI=true`` fail it, adding ``in_ci``."""
+    if IN_CI:
+        pytest.fail(message + in_ci, pytrace=False)
+    pytest.skip(message)
 
 
 def make_process_vhost() -> None:
@@ -108,10 +112,7 @@ def require_module(module: str, install: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError:
-        message = f"{module} is not installed ({install})"
-        if IN_CI:
-            pytest.fail(f"{message} (CI=true: .ci/run installs it)", pytrace=False)
-        pytest.skip(message)
+        _skip_or_fail(f"{module} is not installed ({install})", " (CI=true: .ci/run installs it)")
 
 
 def tidy_queue(broker_url: str, queue: str) -> None:
