@@ -30,7 +30,7 @@ import weakref
 from types import CodeType, FrameType
 from typing import Any
 
-from celery_pulse.backend import deferred_result
+from celery_pulse.backend import deferred_result, record_fields
 from celery_pulse.errors import PulseError
 from celery_pulse.lease import Lease, _set_current, current_lease
 from celery_pulse.pool.slots import DeadlineTable
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_SIGNAL = signal.SIGUSR2
 REFUSED = "celery-pulse:start-refused"
-#: ``(RECORDED, tracer's return, ResultRecord, chord part or None)``: the attempt's result
+#: ``(RECORDED, tracer's return, ResultRecord's fields, chord part or None)``: the attempt's result
 #: for the ``pulse://`` backend, written (and a chord part counted) by the parent with the
 #: completion (fenced), not by the child.
 RECORDED = "celery-pulse:result"
@@ -205,7 +205,7 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         with deferred_result(task_id) as deferral:
             value = target(*args, **kwargs)
         if deferral.record is not None:
-            return (RECORDED, value, deferral.record, deferral.chord)
+            return (RECORDED, value, record_fields(deferral.record), deferral.chord)
         return value
     finally:
         _armed = None

@@ -35,7 +35,7 @@ from celery_pulse.bootsteps.intake import bound_claim
 from celery_pulse.errors import LeaseLost, PulseError
 from celery_pulse.leases import LOST, RUNNING, WAITING, LocalClaim
 from celery_pulse.pool import child
-from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
+from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED, ResultRecord
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,8 @@ class TaskPool(prefork.TaskPool):
                 return None
             if isinstance(result, tuple) and len(result) == 4 and result[0] == child.RECORDED:
                 # Written (and a chord part counted) with the completion.
-                claim.result, claim.chord_part, result = result[2], result[3], result[1]
+                claim.result = ResultRecord(*result[2])
+                claim.chord_part, result = result[3], result[1]
             try:
                 return original(result) if original else None
             finally:
