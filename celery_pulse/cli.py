@@ -459,5 +459,153 @@ def schedule_resume(ctx: click.Context, name: str) -> None:
     _schedule_toggle(ctx, name, "resume")
 
 
+@pulse.group()
+def credentials() -> None:
+    """Lease gateway credentials: create (the token is shown once), list, revoke."""
+
+
+def _credential_payload(c: Any) -> dict[str, Any]:
+    """A credential as shown: everything but a secret (the store has none to show)."""
+    return {"credential_id": c.credential_id, "name": c.name, "scopes": sorted(c.scopes),
+            "queues": list(c.queues), "active": c.active, "created_at": c.created_at,
+            "created_by": c.created_by, "revoked_at": c.revoked_at, "revoked_by": c.revoked_by}
+
+
+def _open_private(path: str) -> int:
+    """A new file only its owner can read; an existing file is never overwritten (it may
+    be another credential's, or readable by others)."""
+    import os
+
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise click.ClickException(f"{path} exists: not overwriting it (remove it, or choose "
+                                   f"another --output)") from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
+
+
+@credentials.command("create")
+@click.argument("name")
+@click.option("--queue", "queues", multiple=True, help="A queue it may consume (repeat).")
+@click.option("--scope", "scopes", multiple=True,
+              help="workers:connect or workers:consume (repeat; default both).")
+@click.option("--output", default=None, type=click.Path(dir_okay=False),
+              help="Write a JSON credentials file (mode 0600) instead of printing the token.")
+@click.pass_context
+def credentials_create(ctx: click.Context, name: str, queues: tuple[str, ...],
+                       scopes: tuple[str, ...], output: str | None) -> None:
+    """Create credential NAME: its token is shown (or written) once, never again."""
+    import os
+
+    from celery_pulse.gateway.credentials import CONNECT, CONSUME
+
+    fd = _open_private(output) if output else None
+    try:
+        with _store(ctx) as store:
+            record, token = store.credentials.create_credential(
+                name, scopes or (CONNECT, CONSUME), queues, _who())
+    except BaseException:
+        if fd is not None and output:
+            os.close(fd)
+            os.unlink(output)
+        raise
+    if fd is None:
+        click.echo(f"credential {record.name} ({record.credential_id}) created; its token, "
+                   f"shown this once:", err=True)
+        click.echo(token)
+        return
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"credential_id": record.credential_id, "name": record.name,
+                   "token": token}, fh)
+        fh.write("\n")
+    click.echo(f"credential {record.name} ({record.credential_id}) created; token written to "
+               f"{output}")
+
+
+@credentials.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def credentials_list(ctx: click.Context, as_json: bool) -> None:
+    """Every credential, revoked ones too (never a secret)."""
+    with _store(ctx) as store:
+        rows = [_credential_payload(c) for c in store.credentials.list_credentials()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    if not rows:
+        click.echo("no credentials")
+        return
+    width = max(len(r["name"]) for r in rows)
+    click.echo(f"{'NAME':<{width}}  {'ID':<32}  {'STATE':<7}  SCOPES / QUEUES")
+    for r in rows:
+        click.echo(f"{r['name']:<{width}}  {r['credential_id']}  "
+                   f"{'active' if r['active'] else 'revoked':<7}  "
+                   f"{','.join(r['scopes'])} / {','.join(r['queues']) or '-'}"
+                   + ("" if r["active"] else f"  (revoked by {r['revoked_by']})"))
+
+
+@credentials.command("revoke")
+@click.argument("name_or_id")
+@click.pass_context
+def credentials_revoke(ctx: click.Context, name_or_id: str) -> None:
+    """Revoke a credential for good: its token is refused from now on."""
+    with _store(ctx) as store:
+        record = store.credentials.revoke_credential(name_or_id, _who())
+    click.echo(f"credential {record.name} ({record.credential_id}) revoked by "
+               f"{record.revoked_by}")
+
+
+@pulse.command("gateway")
+@click.option("--bind", default="127.0.0.1:8443", show_default=True, help="HOST:PORT to listen on.")
+@click.option("--certfile", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="TLS certificate chain (PEM). Without it the gateway speaks plain ws://.")
+@click.option("--keyfile", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="TLS private key (PEM), if not in --certfile.")
+@click.option("--max-connections", default=128, show_default=True, type=click.IntRange(1))
+@click.pass_context
+def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile: str | None,
+                    max_connections: int) -> None:
+    """Serve pulse.worker.v1 at wss://BIND/v1/worker/connect: workers that hold a gateway
+    credential, and no database or broker credentials, lease tasks through it."""
+    import asyncio
+    import logging
+    import signal
+
+    from celery_pulse.gateway.server import Gateway, Limits, server_ssl_context
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s] %(message)s")
+    host, sep, port_text = bind.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise click.BadParameter("HOST:PORT, e.g. 0.0.0.0:8443", param_hint="--bind")
+    if keyfile and not certfile:
+        raise click.BadParameter("--keyfile needs --certfile", param_hint="--keyfile")
+    settings = _settings(ctx)
+    tls = server_ssl_context(certfile, keyfile) if certfile else None
+    with _store(ctx) as store:
+        gateway = Gateway(store.credentials, store.now, lease_ttl=settings.lease_ttl,
+                          limits=Limits(max_connections=max_connections), store=store,
+                          app=ctx.obj.app, on_lost=settings.on_lost,
+                          max_attempts=settings.max_attempts)
+
+        async def run() -> None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            async with await gateway.serve(host.strip("[]"), int(port_text), tls) as server:
+                ports = sorted({s.getsockname()[1] for s in server.sockets})
+                click.echo(f"pulse gateway: serving pulse.worker.v1 on "
+                           f"{'wss' if tls else 'ws'}://{host}:{ports[0]}/v1/worker/connect",
+                           err=True)
+                if tls is None:
+                    click.echo("pulse gateway: WARNING: no --certfile: plain ws://, for "
+                               "development only", err=True)
+                await stop.wait()
+                click.echo("pulse gateway: stopping (closing connections)", err=True)
+
+        asyncio.run(run())
+
+
 def main() -> None:  # pragma: no cover - convenience for `python -m celery_pulse.cli`
     sys.exit(pulse())

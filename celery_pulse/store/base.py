@@ -264,7 +264,8 @@ class Completion:
     task_id: str
     epoch: int
     token: str
-    #: ``succeeded``, ``failed``, ``revoked`` or ``retry`` (re-open for the next delivery).
+    #: ``succeeded``, ``failed``, ``revoked``, ``retry`` (re-open for the next delivery) or
+    #: ``needs_review`` (the holder can't tell what its attempt did: a human decides).
     outcome: str
     error: str | None = None
     #: The attempt's result for the ``pulse://`` backend: written only if the completion
@@ -468,6 +469,12 @@ class ClaimStore(abc.ABC):
         were not extended because a fenced transaction holds the row; every other
         lease passed in is lost.
         """
+
+    def lease_of(self, holder: str, task_id: str, epoch: int, token: str
+                 ) -> tuple[str, float] | None:
+        """``(state, lease_until)`` if ``(task_id, epoch, token)`` is ``holder``'s live lease
+        by the store clock now (nothing extended), else None."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def complete(self, holder: str, completions: Sequence[Completion],

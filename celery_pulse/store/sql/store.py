@@ -83,13 +83,15 @@ from celery_pulse.store.sql.tables import (
 )
 
 if TYPE_CHECKING:
+    from celery_pulse.store.sql.credentials import SqlCredentials
     from celery_pulse.store.sql.pipeline import InFlight, Pipeline
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN}
+_OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN,
+                  NEEDS_REVIEW: NEEDS_REVIEW}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
 _CHUNK = 500
 #: Attempts of one reservation round that meets a deadlock (PostgreSQL).
@@ -170,6 +172,14 @@ class SqlStore(Store):
         if self.dialect.is_postgres:
             return self._autocommit.connect()
         return self.engine.connect()
+
+    @functools.cached_property
+    def credentials(self) -> SqlCredentials:
+        """The lease gateway's credentials (``pulse_credentials``)."""
+        # Imported here: a store that never serves a gateway never loads the gateway package.
+        from celery_pulse.store.sql.credentials import SqlCredentials
+
+        return SqlCredentials(self.engine)
 
     @property
     def url(self) -> str:
@@ -646,6 +656,16 @@ class SqlStore(Store):
                         claims.c.state.in_(LIVE_STATES), claims.c.lease_until > now)).scalars())
             renewed |= got
         return renewed, busy
+
+    def lease_of(self, holder: str, task_id: str, epoch: int, token: str
+                 ) -> tuple[str, float] | None:
+        stmt = sa.select(claims.c.state, claims.c.lease_until, self._now.label("now")).where(
+            claims.c.task_id == task_id, claims.c.holder == holder, claims.c.epoch == epoch,
+            claims.c.token == token, claims.c.state.in_(LIVE_STATES),
+            claims.c.lease_until > self._now)
+        with translated("lease_of"), self._read() as conn:
+            row = conn.execute(stmt).one_or_none()
+        return None if row is None else (str(row.state), float(row.lease_until))
 
     def complete(self, holder: str, completions: Sequence[Completion],
                  counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:

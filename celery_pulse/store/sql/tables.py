@@ -209,3 +209,22 @@ permit_holds = sa.Table(
     sa.Index("ix_pulse_permit_holds_task", "task_id"),
     **TABLE_OPTIONS,
 )
+
+#: Gateway credentials (:mod:`celery_pulse.gateway.credentials`): the digest of each
+#: secret, never the secret; ``scopes`` and ``queues`` as JSON lists. A revoked row is
+#: kept (who revoked it, when) and keeps its name.
+credentials = sa.Table(
+    "pulse_credentials",
+    metadata,
+    sa.Column("credential_id", sa.String(32), primary_key=True),
+    sa.Column("name", sa.String(255), nullable=False),
+    sa.Column("secret_digest", sa.String(64), nullable=False),
+    sa.Column("scopes", TEXT, nullable=False),
+    sa.Column("queues", TEXT, nullable=False),
+    sa.Column("created_at", SECONDS, nullable=False),
+    sa.Column("created_by", sa.String(255), nullable=False),
+    sa.Column("revoked_at", SECONDS),
+    sa.Column("revoked_by", sa.String(255)),
+    sa.Index("ux_pulse_credentials_name", "name", unique=True),
+    **TABLE_OPTIONS,
+)

@@ -1,0 +1,187 @@
+"""The gateway's broker and store side: deliveries reserved for a remote worker, and its
+start, renew and finish turned into the store's fenced operations.
+
+The rules, before any code:
+
+* **Reserved at receipt, as in a direct worker.** A :class:`Feeder` (one thread per
+  instance that declared capacity) consumes the instance's queue and reserves each
+  delivery in the store for the instance (its *holder* name) before acknowledging it to
+  the broker: from then on the claim row owns the task, and the gateway dying loses
+  nothing. If the store can't be reached the delivery goes back to the broker and the
+  feeder waits: never unowned work.
+* **Within capacity.** The feeder takes a delivery only while the instance has a free
+  slot (declared capacity minus attempts held); with one delivery unacknowledged at a
+  time, the broker keeps the rest.
+* **Fenced by the store.** ``task.start``, ``task.renew`` and ``task.finish`` are the
+  store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
+  token): a stale attempt can't start, renew or finish; its late finish is kept as
+  evidence only. ``UNKNOWN`` ends the claim in ``needs_review``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery_pulse.bootsteps.intake import capture, policy_for, publication_of
+from celery_pulse.errors import PulseError, StoreUnavailable
+from celery_pulse.gateway.frames import new_id
+from celery_pulse.gateway.session import Attempt
+from celery_pulse.store.base import (
+    FAILED,
+    NEEDS_REVIEW,
+    SUCCEEDED,
+    Completion,
+    Grant,
+    ReserveRequest,
+    Store,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The protocol's outcomes, as claim outcomes.
+OUTCOMES = {"SUCCEEDED": SUCCEEDED, "FAILED": FAILED, "UNKNOWN": NEEDS_REVIEW}
+
+
+def wire_task_id(task_id: str) -> str:
+    """The 32-hex id the protocol names a Celery task by: its UUID's hex when it is one
+    (Celery's own ids), else 128 bits of its SHA-256 (ids chosen by the publisher)."""
+    try:
+        parsed = uuid.UUID(task_id)
+    except ValueError:
+        parsed = None
+    if parsed is not None and str(parsed) == task_id:
+        return parsed.hex
+    return hashlib.sha256(task_id.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assignment:
+    """A delivery reserved for an instance: what ``task.assign`` carries."""
+
+    attempt: Attempt
+    message: Any  # celery_pulse.store.base.Message
+
+
+class Feeder(threading.Thread):
+    """Consumes one queue for one instance while it has room (see the module's rules)."""
+
+    def __init__(self, app: Any, store: Store, holder: str, queue: str, *, lease_ttl: float,
+                 on_lost: str | None, max_attempts: int, free: Callable[[], int],
+                 on_assign: Callable[[Assignment], None]) -> None:
+        super().__init__(name=f"pulse-gateway-feeder-{queue}", daemon=True)
+        self.app, self.store, self.holder, self.queue = app, store, holder, queue
+        self.lease_ttl, self.on_lost, self.max_attempts = lease_ttl, on_lost, max_attempts
+        self.free, self.on_assign = free, on_assign
+        self._stop = threading.Event()
+        self._room = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._room.set()
+
+    def room(self) -> None:
+        """A slot may have freed up: look again now rather than at the next poll."""
+        self._room.set()
+
+    def run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                self._consume()
+                backoff = 0.5
+            except Exception as exc:  # the broker went away: reconnect, never spin
+                if self._stop.is_set():
+                    return
+                logger.warning("pulse gateway: consuming %s failed (%r); again in %.1fs",
+                               self.queue, exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _consume(self) -> None:
+        queue = self.app.amqp.queues[self.queue]  # declared as a Celery worker would
+        with self.app.connection_for_read() as conn, conn.Consumer(
+                [queue], on_message=self._on_message, accept=self.app.conf.accept_content,
+                prefetch_count=1, auto_declare=True):
+            while not self._stop.is_set():
+                if self.free() <= 0:
+                    self._room.wait(0.5)
+                    self._room.clear()
+                    continue
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    continue
+
+    def _on_message(self, message: Any) -> None:
+        headers = message.headers or {}
+        task_id, name = headers.get("id"), headers.get("task")
+        if not task_id or not name:  # not Celery's task protocol 2: nothing to lease
+            logger.error("pulse gateway: dropping a message on %s that is no Celery task "
+                         "(protocol 2 headers missing)", self.queue)
+            message.reject(requeue=False)
+            return
+        task = self.app.tasks.get(name)
+        request = ReserveRequest(
+            task_id, name, capture(message), policy_for(task, self.on_lost),
+            int(getattr(task, "pulse_max_attempts", None) or self.max_attempts),
+            int(headers.get("retries") or 0), publication_of(headers))
+        sent = time.monotonic()
+        try:
+            [answer] = self.store.reserve(self.holder, [request], self.lease_ttl)
+        except PulseError as exc:
+            # Not reserved: the broker keeps it (another worker, or this one later).
+            logger.warning("pulse gateway: could not reserve %s[%s] (%s); back to the broker",
+                           name, task_id, exc)
+            message.requeue()
+            if isinstance(exc, StoreUnavailable):
+                self._stop.wait(1.0)
+            return
+        message.ack()
+        if not isinstance(answer, Grant):
+            logger.warning("pulse gateway: duplicate delivery of %s[%s] dropped: %s (holder "
+                           "%s, epoch %d)", name, task_id, answer.reason, answer.holder,
+                           answer.epoch)
+            return
+        attempt = Attempt(task_id, wire_task_id(task_id), new_id(), answer.epoch, answer.token,
+                          name, answer.lease_until, sent + self.lease_ttl)
+        self.on_assign(Assignment(attempt, request.message))
+
+
+class Fenced:
+    """The store's fenced operations for attempts of one holder (blocking: call them from
+    a thread)."""
+
+    def __init__(self, store: Store, holder: str, lease_ttl: float) -> None:
+        self.store, self.holder, self.lease_ttl = store, holder, lease_ttl
+
+    def start(self, attempt: Attempt) -> float | None:
+        """The new lease_until, or None: the attempt may not start (lost, taken, ended)."""
+        return self.store.start_many(
+            self.holder, [(attempt.task_id, attempt.epoch, attempt.token)], self.lease_ttl
+        ).get(attempt.task_id)
+
+    def renew(self, attempt: Attempt) -> bool | None:
+        """True: renewed; None: still held but busy (a fenced block has the row); False:
+        lost."""
+        renewed, busy = self.store.renew(
+            self.holder, [(attempt.task_id, attempt.epoch, attempt.token)], self.lease_ttl)
+        if attempt.task_id in renewed:
+            return True
+        return None if attempt.task_id in busy else False
+
+    def status(self, attempt: Attempt) -> tuple[str, float] | None:
+        """``(state, lease_until)`` while the attempt holds its lease (nothing extended)."""
+        return self.store.lease_of(self.holder, attempt.task_id, attempt.epoch, attempt.token)
+
+    def finish(self, attempt: Attempt, outcome: str, error: str | None) -> str:
+        """``applied``, ``duplicate`` or ``evidence`` (a stale attempt: kept, not applied)."""
+        answers = self.store.complete(self.holder, [Completion(
+            attempt.task_id, attempt.epoch, attempt.token, OUTCOMES[outcome], error)])
+        return answers.get(attempt.task_id, "evidence")

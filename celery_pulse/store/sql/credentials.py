@@ -1,0 +1,119 @@
+"""Gateway credentials in SQL (``pulse_credentials``; the contract and its rules are in
+:mod:`celery_pulse.gateway.credentials`).
+
+Only the digest of a secret reaches this module, and so the table. A name is taken by
+the insert itself (an upsert that changes nothing when the unique name exists, then a
+read of whose row holds the name), not by a read before it: two operators creating the
+same name at once get one credential and one clear refusal, never a driver error.
+Times are the store clock's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_pulse.gateway.credentials import (
+    Credential,
+    CredentialStore,
+    is_credential_id,
+    not_found,
+    taken,
+)
+from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.tables import credentials
+
+#: Every column but the digest: what a listing reads.
+_RECORD = [c for c in credentials.c if c.name != "secret_digest"]
+
+
+def _record(row: Any) -> Credential:
+    return Credential(
+        credential_id=row.credential_id, name=row.name,
+        scopes=frozenset(json.loads(row.scopes)), queues=tuple(sorted(json.loads(row.queues))),
+        created_at=float(row.created_at), created_by=row.created_by,
+        revoked_at=None if row.revoked_at is None else float(row.revoked_at),
+        revoked_by=row.revoked_by)
+
+
+class SqlCredentials(CredentialStore):
+    """The ``pulse_credentials`` table on one engine."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.dialect = Dialect(engine.dialect.name)
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    @contextmanager
+    def _read(self, where: str) -> Iterator[sa.Connection]:
+        """Reads need no transaction: autocommit on PostgreSQL (one round trip)."""
+        with translated(where):
+            engine = self._autocommit if self.dialect.is_postgres else self.engine
+            with engine.connect() as conn:
+                yield conn
+
+    @contextmanager
+    def _write(self, where: str) -> Iterator[sa.Connection]:
+        with translated(where), self.engine.begin() as conn:
+            yield conn
+
+    def _by(self, conn: sa.Connection, where: sa.ColumnElement[bool]) -> Credential | None:
+        row = conn.execute(sa.select(*_RECORD).where(where)).one_or_none()
+        return None if row is None else _record(row)
+
+    def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
+                queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:
+        stmt = self.dialect.insert(credentials).values(
+            credential_id=credential_id, name=name, secret_digest=secret_digest,
+            scopes=json.dumps(sorted(scopes)), queues=json.dumps(list(queues)),
+            created_at=self.dialect.now(), created_by=who)
+        if self.dialect.is_mysql:
+            stmt = stmt.on_duplicate_key_update(credential_id=credentials.c.credential_id)
+        else:
+            stmt = stmt.on_conflict_do_nothing(index_elements=[credentials.c.name])
+        with self._write("create credential") as conn:
+            conn.execute(stmt)
+            record = self._by(conn, credentials.c.name == name)
+        if record is None or record.credential_id != credential_id:
+            raise taken(name)
+        return record
+
+    def _lookup(self, credential_id: str) -> tuple[Credential, str] | None:
+        with self._read("authenticate") as conn:
+            row = conn.execute(sa.select(credentials).where(
+                credentials.c.credential_id == credential_id)).one_or_none()
+        return None if row is None else (_record(row), str(row.secret_digest))
+
+    def _match(self, name_or_id: str) -> sa.ColumnElement[bool]:
+        # Names are never 32 hex digits (checked at creation), ids always are.
+        if is_credential_id(name_or_id):
+            return credentials.c.credential_id == name_or_id
+        return credentials.c.name == name_or_id
+
+    def _revoke(self, name_or_id: str, who: str) -> Credential:
+        match = self._match(name_or_id)
+        with self._write("revoke credential") as conn:
+            conn.execute(sa.update(credentials).where(match, credentials.c.revoked_at.is_(None))
+                         .values(revoked_at=self.dialect.now(), revoked_by=who))
+            record = self._by(conn, match)
+        if record is None:
+            raise not_found(name_or_id)
+        return record
+
+    def list_credentials(self, include_revoked: bool = True) -> list[Credential]:
+        stmt = sa.select(*_RECORD).order_by(credentials.c.name)
+        if not include_revoked:
+            stmt = stmt.where(credentials.c.revoked_at.is_(None))
+        with self._read("list credentials") as conn:
+            return [_record(row) for row in conn.execute(stmt)]
+
+    def get_credential(self, credential_id: str) -> Credential | None:
+        if not is_credential_id(credential_id):
+            return None
+        with self._read("get credential") as conn:
+            return self._by(conn, credentials.c.credential_id == credential_id)
