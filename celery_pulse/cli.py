@@ -570,9 +570,17 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
     credential, and no database or broker credentials, lease tasks through it."""
     import asyncio
     import logging
+    import os
     import signal
 
-    from celery_pulse.gateway.server import Gateway, Limits, server_ssl_context
+    from celery_pulse.bootsteps.publish import republish
+    from celery_pulse.recover import Recoverer
+
+    try:
+        from celery_pulse.gateway.server import Gateway, Limits, server_ssl_context
+    except ImportError as exc:
+        raise click.ClickException(f"the gateway needs the websockets library ({exc}): "
+                                   f"pip install 'celery-pulse-leases[gateway]'") from None
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s] %(message)s")
     host, sep, port_text = bind.rpartition(":")
@@ -587,6 +595,13 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                           limits=Limits(max_connections=max_connections), store=store,
                           app=ctx.obj.app, on_lost=settings.on_lost,
                           max_attempts=settings.max_attempts)
+        # Recover runs here too: a cluster of gateway workers alone still has its expired
+        # claims taken over (retention stays with the direct workers' leader).
+        recoverer = Recoverer(
+            store, f"gateway@{socket.gethostname()}:{os.getpid()}",
+            interval=settings.recover_interval, batch=settings.recover_batch,
+            publish_ttl=max(5.0, settings.lease_ttl), retention=settings.retention,
+            publish=lambda item: republish(ctx.obj.app, item), listener=_RecoverLog())
 
         async def run() -> None:
             stop = asyncio.Event()
@@ -604,7 +619,19 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                 await stop.wait()
                 click.echo("pulse gateway: stopping (closing connections)", err=True)
 
-        asyncio.run(run())
+        recoverer.start()
+        try:
+            asyncio.run(run())
+        finally:
+            recoverer.stop()
+
+
+class _RecoverLog:
+    """What the gateway's Recover took over, in its log."""
+
+    def on_recovered(self, item: Any) -> None:
+        click.echo(f"pulse gateway: recovered {item.task_name}[{item.task_id}] epoch "
+                   f"{item.epoch}: {item.was} -> {item.state}", err=True)
 
 
 def main() -> None:  # pragma: no cover - convenience for `python -m celery_pulse.cli`

@@ -306,8 +306,22 @@ class Gateway:
                         fresh["lease"] = await self._lease_now(instance, frame)
                     link.send(frames.ack(frame.message_id, session.session_id, fresh))
                     continue
-                reply = await self._apply(instance, session, frame)
-                instance.remember(frame.message_id, digest, reply)
+                earlier = instance.in_flight(frame.message_id, digest)
+                if earlier is not None:
+                    # The same operation is still being applied (sent again over a new
+                    # connection before the first one's answer): its answer is this one's.
+                    try:
+                        first = await asyncio.shield(earlier)
+                    except ProtocolError:
+                        first = None  # it failed: this one is tried on its own
+                    if first is not None:
+                        link.send(frames.ack(frame.message_id, session.session_id,
+                                             {**first, "deduplicated": True}))
+                        continue
+                with instance.applying(frame.message_id, digest) as done:
+                    reply = await self._apply(instance, session, frame)
+                    instance.remember(frame.message_id, digest, reply)
+                    done.set_result(reply)
                 link.send(frames.ack(frame.message_id, session.session_id, reply))
             except ProtocolError as exc:
                 exc.reply_to = frame.message_id
@@ -430,6 +444,8 @@ class Gateway:
             return instance.free(time.monotonic())
 
         def on_assign(assignment: Assignment) -> None:
+            # Counted at once, in the feeder's thread: its next look at free() must see it.
+            instance.assign(assignment.attempt)
             loop.call_soon_threadsafe(self._assigned, instance, assignment)
 
         feeder = Feeder(self.app, self.store, self._holders[instance.instance_id],
@@ -445,7 +461,6 @@ class Gateway:
 
     def _assigned(self, instance: Instance, assignment: Assignment) -> None:
         attempt = assignment.attempt
-        instance.assign(attempt)
         link = self._link_of(instance)
         if link is None or instance.current is None:
             # Gone meanwhile: never started, the lease expires and Recover re-dispatches.

@@ -30,12 +30,14 @@ connect to (docs/gateway.md says what that means for several gateways).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from celery_pulse.gateway.frames import Code, Hello, ProtocolError, new_id
@@ -125,6 +127,7 @@ class Instance:
         #: attempt_id -> the attempts assigned to it, oldest first (across sessions).
         self.attempts: dict[str, Attempt] = {}
         self._replies: OrderedDict[str, tuple[str, Mapping[str, Any]]] = OrderedDict()
+        self._applying: dict[str, tuple[str, asyncio.Future[Any]]] = {}
 
     def open(self, hello_capacity: int) -> Session:
         """A new generation: the previous session (if any) stops being current."""
@@ -194,6 +197,33 @@ class Instance:
                                 "this message_id was used for another operation")
         self._replies.move_to_end(message_id)
         return seen[1]
+
+    def in_flight(self, message_id: str, digest: str) -> asyncio.Future[Any] | None:
+        """The answer-to-be of ``message_id`` if it is being applied right now."""
+        seen = self._applying.get(message_id)
+        if seen is None:
+            return None
+        if not hmac.compare_digest(seen[0], digest):
+            raise ProtocolError(Code.IDEMPOTENCY_CONFLICT,
+                                "this message_id was used for another operation")
+        return seen[1]
+
+    @contextlib.contextmanager
+    def applying(self, message_id: str, digest: str) -> Iterator[asyncio.Future[Any]]:
+        """While ``message_id`` is applied: a repeat waits for its answer (a failure is
+        passed on to it as the exception)."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._applying[message_id] = (digest, done)
+        try:
+            yield done
+        except BaseException as exc:
+            if not done.done():
+                done.set_exception(exc if isinstance(exc, ProtocolError) else ProtocolError(
+                    Code.INTERNAL, "the operation did not complete"))
+                done.exception()  # retrieved: a repeat may never come
+            raise
+        finally:
+            self._applying.pop(message_id, None)
 
     def remember(self, message_id: str, digest: str, reply: Mapping[str, Any]) -> None:
         self._replies[message_id] = (digest, reply)

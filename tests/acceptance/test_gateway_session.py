@@ -8,129 +8,20 @@ credentials made in the store the way ``celery pulse credentials create`` makes 
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import secrets
 import ssl
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import trustme
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from celery_pulse.gateway.credentials import CONNECT, CONSUME
-from celery_pulse.store.sql import open_store
+from tests.helpers.gateway import QUEUE, SUBPROTOCOL, GatewayProcess, Peer, hello_body, joined
 from tests.helpers.workers import Env, wait_for
-
-QUEUE = "objects"
-SUBPROTOCOL = "pulse.worker.v1"
-
-
-class GatewayProcess:
-    """One ``celery pulse gateway`` process, killed by its fixture."""
-
-    def __init__(self, env: Env, cert: Path, key: Path, *extra: str) -> None:
-        self.log_path = env.tmp / f"gateway-{secrets.token_hex(4)}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in kill()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", env.app, "pulse", "gateway",
-             "--bind", "127.0.0.1:0", "--certfile", str(cert), "--keyfile", str(key), *extra],
-            env=env.vars(), cwd=env.tmp, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        match = wait_for(self._serving, 30, "the gateway to listen")
-        self.url = f"wss://localhost:{match.group(1)}/v1/worker/connect"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def _serving(self) -> re.Match[str] | None:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"gateway exited ({self.proc.returncode}):\n{self.log()}")
-        return re.search(r"serving pulse\.worker\.v1 on wss://127\.0\.0\.1:(\d+)/", self.log())
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-        self._log.close()
-
-
-class Peer:
-    """A worker's side of one connection, speaking raw frames."""
-
-    def __init__(self, conn: ClientConnection) -> None:
-        self.conn = conn
-        self.session_id: str | None = None
-
-    def send_raw(self, text: str | bytes) -> None:
-        self.conn.send(text)
-
-    def send(self, kind: str, body: Any, *, message_id: str | None = None,
-             session_id: str | None = "current") -> str:
-        message_id = message_id or secrets.token_hex(16)
-        frame: dict[str, Any] = {"protocol_version": "1", "type": kind,
-                                 "message_id": message_id, "body": body}
-        if session_id == "current":
-            session_id = self.session_id
-        if session_id is not None:
-            frame["session_id"] = session_id
-        self.conn.send(json.dumps(frame))
-        return message_id
-
-    def recv(self, timeout: float = 10) -> dict[str, Any]:
-        frame: dict[str, Any] = json.loads(self.conn.recv(timeout))
-        return frame
-
-    def call(self, kind: str, body: Any, **kwargs: Any) -> dict[str, Any]:
-        message_id = self.send(kind, body, **kwargs)
-        reply = self.recv()
-        assert reply.get("reply_to") == message_id, reply
-        return reply
-
-    def error(self, kind: str, body: Any, **kwargs: Any) -> str:
-        reply = self.call(kind, body, **kwargs)
-        assert reply["type"] == "error", reply
-        code: str = reply["error"]["code"]
-        return code
-
-    def closed_with(self, timeout: float = 10) -> int | None:
-        """Read until the server closes; its close code."""
-        try:
-            while True:
-                self.conn.recv(timeout)
-        except ConnectionClosed as exc:
-            return exc.rcvd.code if exc.rcvd is not None else None
-
-
-def _hello(instance_id: str | None = None, secret: str | None = None, queue: str = QUEUE,
-           capacity: int = 4, capabilities: list[dict[str, str]] | None = None
-           ) -> dict[str, Any]:
-    return {"instance_id": instance_id or secrets.token_hex(16),
-            "instance_secret": secret or base64.urlsafe_b64encode(
-                secrets.token_bytes(32)).rstrip(b"=").decode(),
-            "queue_id": queue, "capacity": capacity,
-            "capabilities": capabilities or [
-                {"handler": "opsapp.hold", "handler_version": "1", "payload_version": "1"}]}
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, ssl.SSLContext]:
-    ca = trustme.CA()
-    cert = ca.issue_cert("localhost", "127.0.0.1")
-    folder = tmp_path_factory.mktemp("tls")
-    cert.private_key_pem.write_to_path(folder / "key.pem")
-    cert.cert_chain_pems[0].write_to_path(folder / "cert.pem")
-    for extra in cert.cert_chain_pems[1:]:
-        with open(folder / "cert.pem", "ab") as fh:
-            fh.write(extra.bytes())
-    client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)  # verifies cert and host
-    ca.configure_trust(client)
-    return folder / "cert.pem", folder / "key.pem", client
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -140,64 +31,6 @@ def env(request: pytest.FixtureRequest, make_env: Callable[..., Env]) -> Env:
     made = make_env(url, "memory://")
     made.app = "tests.apps.opsapp"
     return made
-
-
-@pytest.fixture
-def tokens(env: Env) -> dict[str, str]:
-    store = open_store(env.store_url)
-    try:
-        make = store.credentials.create_credential
-        return {"full": make("runner", [CONNECT, CONSUME], [QUEUE], "test")[1],
-                "connect-only": make("looker", [CONNECT], [], "test")[1],
-                "other-queue": make("elsewhere", [CONNECT, CONSUME], ["images"], "test")[1]}
-    finally:
-        store.close()
-
-
-@pytest.fixture
-def start_gateway(env: Env, tls: tuple[Path, Path, ssl.SSLContext]
-                  ) -> Iterator[Callable[..., GatewayProcess]]:
-    started: list[GatewayProcess] = []
-
-    def start(*extra: str) -> GatewayProcess:
-        started.append(GatewayProcess(env, tls[0], tls[1], *extra))
-        return started[-1]
-
-    yield start
-    for gateway in started:
-        gateway.kill()
-
-
-@pytest.fixture
-def gateway(start_gateway: Callable[..., GatewayProcess]) -> GatewayProcess:
-    return start_gateway()
-
-
-@pytest.fixture
-def open_peer(gateway: GatewayProcess, tls: tuple[Path, Path, ssl.SSLContext],
-              tokens: dict[str, str]) -> Iterator[Callable[..., Peer]]:
-    opened: list[ClientConnection] = []
-
-    def open_(token: str = "full", url: str | None = None,
-              subprotocols: list[str] | None = None) -> Peer:
-        conn = connect(url or gateway.url, ssl=tls[2],
-                       subprotocols=[SUBPROTOCOL] if subprotocols is None else subprotocols,
-                       additional_headers={"Authorization": f"Bearer {tokens.get(token, token)}"},
-                       compression=None, open_timeout=15, legacy=True)
-        opened.append(conn)
-        return Peer(conn)
-
-    yield open_
-    for conn in opened:
-        conn.close()
-
-
-def _joined(open_peer: Callable[..., Peer], **hello: Any) -> Peer:
-    peer = open_peer()
-    welcome = peer.call("worker.hello", _hello(**hello), session_id=None)
-    assert welcome["type"] == "worker.welcome", welcome
-    peer.session_id = welcome["body"]["session_id"]
-    return peer
 
 
 def _status(call: Callable[[], Any]) -> int:
@@ -239,20 +72,20 @@ def test_the_handshake_takes_a_bearer_credential_only(
 
 def test_consuming_needs_the_scope_and_the_queue(open_peer: Callable[..., Peer]) -> None:
     looker = open_peer("connect-only")  # may connect, may not consume
-    assert looker.error("worker.hello", _hello(), session_id=None) == "FORBIDDEN"
+    assert looker.error("worker.hello", hello_body(), session_id=None) == "FORBIDDEN"
     assert looker.closed_with() == 1008
     elsewhere = open_peer("other-queue")
-    assert elsewhere.error("worker.hello", _hello(queue=QUEUE), session_id=None) == "FORBIDDEN"
+    assert elsewhere.error("worker.hello", hello_body(queue=QUEUE), session_id=None) == "FORBIDDEN"
     assert elsewhere.closed_with() == 1008
     peer = open_peer("other-queue")
-    assert peer.call("worker.hello", _hello(queue="images"), session_id=None)["type"] == (
+    assert peer.call("worker.hello", hello_body(queue="images"), session_id=None)["type"] == (
         "worker.welcome")
 
 
 # -- the session -------------------------------------------------------------------------
 def test_welcome_then_capacity_rules(open_peer: Callable[..., Peer]) -> None:
     peer = open_peer()
-    hello_id = peer.send("worker.hello", _hello(capacity=4), session_id=None)
+    hello_id = peer.send("worker.hello", hello_body(capacity=4), session_id=None)
     welcome = peer.recv()
     assert welcome["type"] == "worker.welcome" and welcome["reply_to"] == hello_id
     body = welcome["body"]
@@ -292,8 +125,8 @@ def test_welcome_then_capacity_rules(open_peer: Callable[..., Peer]) -> None:
 
 
 def test_a_reconnect_replaces_the_old_session(open_peer: Callable[..., Peer]) -> None:
-    hello = _hello()
-    old = _joined(open_peer, instance_id=hello["instance_id"], secret=hello["instance_secret"])
+    hello = hello_body()
+    old = joined(open_peer, instance_id=hello["instance_id"], secret=hello["instance_secret"])
     assert old.call("worker.capacity", {"sequence": "1", "capacity": 2, "drain": True}
                     )["type"] == "ack"
     new = open_peer()
@@ -307,7 +140,7 @@ def test_a_reconnect_replaces_the_old_session(open_peer: Callable[..., Peer]) ->
     assert old.closed_with() == 1008
     # Knowing the instance id is not enough: another secret is refused.
     thief = open_peer()
-    assert thief.error("worker.hello", {**hello, "instance_secret": _hello()[
+    assert thief.error("worker.hello", {**hello, "instance_secret": hello_body()[
         "instance_secret"]}, session_id=None) == "UNAUTHENTICATED"
     # Nor may a reconnect change its queue or capabilities.
     other = open_peer("other-queue")
@@ -317,7 +150,7 @@ def test_a_reconnect_replaces_the_old_session(open_peer: Callable[..., Peer]) ->
 
 def test_a_revoked_credential_ends_its_session(env: Env, open_peer: Callable[..., Peer]
                                                ) -> None:
-    peer = _joined(open_peer)
+    peer = joined(open_peer)
     assert env.celery("pulse", "credentials", "revoke", "runner").returncode == 0
     assert peer.error("worker.capacity", {"sequence": "1", "capacity": 1, "drain": False}
                       ) == "UNAUTHENTICATED"
@@ -397,8 +230,8 @@ MALFORMED = [
 
 
 def test_malformed_frames_are_answered_with_their_code(open_peer: Callable[..., Peer]) -> None:
-    peer = _joined(open_peer)
-    bystander = _joined(open_peer)
+    peer = joined(open_peer)
+    bystander = joined(open_peer)
     for sequence, (why, text, code) in enumerate(MALFORMED, start=1):
         peer.send_raw(text.replace('"0' * 1 + "0" * 31 + '"', f'"{peer.session_id}"'))
         reply = peer.recv()
@@ -415,12 +248,12 @@ def test_malformed_frames_are_answered_with_their_code(open_peer: Callable[..., 
 def test_a_hello_with_bad_fields_is_refused_and_may_be_sent_again(
         open_peer: Callable[..., Peer]) -> None:
     peer = open_peer()
-    assert peer.error("worker.hello", {**_hello(), "capacity": 0}, session_id=None) == (
+    assert peer.error("worker.hello", {**hello_body(), "capacity": 0}, session_id=None) == (
         "INVALID_FRAME")
-    assert peer.error("worker.hello", {**_hello(), "instance_secret": "short"},
+    assert peer.error("worker.hello", {**hello_body(), "instance_secret": "short"},
                       session_id=None) == "INVALID_FRAME"
-    assert peer.error("worker.hello", _hello(), session_id="1" * 32) == "INVALID_FRAME"
-    assert peer.call("worker.hello", _hello(), session_id=None)["type"] == "worker.welcome"
+    assert peer.error("worker.hello", hello_body(), session_id="1" * 32) == "INVALID_FRAME"
+    assert peer.call("worker.hello", hello_body(), session_id=None)["type"] == "worker.welcome"
 
 
 @pytest.mark.parametrize(("why", "payload", "close_code", "code"), [
@@ -430,7 +263,7 @@ def test_a_hello_with_bad_fields_is_refused_and_may_be_sent_again(
 def test_frames_that_break_the_transport_rules_close_only_their_connection(
         open_peer: Callable[..., Peer], why: str, payload: str | bytes, close_code: int,
         code: str) -> None:
-    peer, bystander = _joined(open_peer), _joined(open_peer)
+    peer, bystander = joined(open_peer), joined(open_peer)
     peer.send_raw(payload)
     reply = peer.recv()
     assert reply["type"] == "error" and reply["error"]["code"] == code, (why, reply)

@@ -797,3 +797,38 @@ def test_workers_racing_for_the_same_new_tasks_each_get_a_task_once(sql_store: S
     for task_id, (holder,) in granted.items():
         info = claim(sql_store, task_id)
         assert (info.holder, info.epoch, info.state) == (holder, 1, RESERVED)
+
+
+# -- what the lease gateway needs (issue 18) ---------------------------------------------
+def test_lease_of_reports_a_live_lease_without_extending_it(sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request())
+    state, until = sql_store.lease_of(W1, *key(g)) or ("", 0.0)
+    assert state == RESERVED and until == pytest.approx(g.lease_until)
+    assert sql_store.lease_of(W1, *key(g)) == (state, until)  # nothing moved
+    started = sql_store.start(W1, *key(g), TTL)
+    assert sql_store.lease_of(W1, *key(g)) == (RUNNING, pytest.approx(started))
+    # Another holder, another epoch, another token: not this lease.
+    assert sql_store.lease_of(W2, *key(g)) is None
+    assert sql_store.lease_of(W1, g.task_id, g.epoch + 1, g.token) is None
+    assert sql_store.lease_of(W1, g.task_id, g.epoch, "0" * 32) is None
+    sql_store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED)])
+    assert sql_store.lease_of(W1, *key(g)) is None
+
+
+def test_lease_of_an_expired_lease_is_none(sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request(), ttl=0.2)
+    wait_until(lambda: sql_store.lease_of(W1, *key(g)) is None, what="the lease to expire")
+
+
+def test_a_holder_that_cant_tell_what_happened_sends_the_task_to_review(
+        sql_store: SqlStore) -> None:
+    g = grant(sql_store, W1, request(policy="redispatch"))
+    assert sql_store.start(W1, *key(g), TTL) is not None
+    done = Completion(g.task_id, g.epoch, g.token, NEEDS_REVIEW, "E_TIMEOUT")
+    assert sql_store.complete(W1, [done]) == {g.task_id: "applied"}
+    c = claim(sql_store, g.task_id)
+    assert (c.state, c.outcome, c.error) == (NEEDS_REVIEW, NEEDS_REVIEW, "E_TIMEOUT")
+    assert [r.task_id for r in sql_store.list_review()] == [g.task_id]
+    assert sql_store.complete(W1, [done]) == {g.task_id: "duplicate"}
+    # Nobody re-runs it until a human decides, whatever its policy.
+    assert isinstance(sql_store.reserve(W2, [request(g.task_id)], TTL)[0], Refusal)
