@@ -170,7 +170,11 @@ class Gateway:
         self.store, self.app = store, app
         self.on_lost, self.max_attempts = on_lost, max_attempts
         self.sessions = Sessions(on_replaced=self._replaced)
-        self._live: dict[ServerConnection, Credential | None] = {}
+        #: Credentials the handshake accepted, until their connection's handler takes
+        #: them (or the handshake fails after the check: :meth:`_process_response`).
+        self._accepted: dict[ServerConnection, Credential] = {}
+        #: Connections being served (what the connection limit counts).
+        self._live: set[ServerConnection] = set()
         self._links: dict[str, Link] = {}  # session_id -> its connection's writer
         self._feeders: dict[str, Feeder] = {}  # instance_id -> its queue's consumer
         self._holders: dict[str, str] = {}  # instance_id -> its holder name in the store
@@ -186,7 +190,7 @@ class Gateway:
             return _refuse(conn, HTTPStatus.BAD_REQUEST,
                            "this endpoint takes no query (credentials in the URL are "
                            "refused): send Authorization: Bearer <token>")
-        if len(self._live) >= self.limits.max_connections:
+        if len(self._live) + len(self._accepted) >= self.limits.max_connections:
             return _refuse(conn, HTTPStatus.SERVICE_UNAVAILABLE,
                            "too many worker connections on this gateway")
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -204,15 +208,23 @@ class Gateway:
             return _refuse(conn, HTTPStatus.FORBIDDEN, exc.message)
         except ProtocolError:
             return _refuse(conn, HTTPStatus.SERVICE_UNAVAILABLE, "the store is unavailable")
-        self._live[conn] = credential
+        self._accepted[conn] = credential
         return None
+
+    def _process_response(self, conn: ServerConnection, request: Request, response: Response
+                          ) -> None:
+        """A handshake refused after the credential check (no common subprotocol, say)
+        leaves no place taken."""
+        if response.status_code != HTTPStatus.SWITCHING_PROTOCOLS:
+            self._accepted.pop(conn, None)
 
     # -- one connection ---------------------------------------------------------------
     async def _serve_connection(self, conn: ServerConnection) -> None:
-        credential = self._live.get(conn)
+        credential = self._accepted.pop(conn, None)
         if credential is None:  # not through our handshake: can't happen, refuse anyway
             await conn.close(CloseCode.POLICY_VIOLATION, "unauthenticated")
             return
+        self._live.add(conn)
         link = Link(conn, self.limits)
         session: Session | None = None
         try:
@@ -226,7 +238,7 @@ class Gateway:
         except ConnectionClosed:
             pass
         finally:
-            self._live.pop(conn, None)
+            self._live.discard(conn)
             if session is not None:
                 self._links.pop(session.session_id, None)
                 known = self.sessions.get(session.instance_id)
@@ -558,7 +570,7 @@ class Gateway:
         return serve(
             self._serve_connection, host, port, ssl=ssl_context,
             subprotocols=[Subprotocol(frames.SUBPROTOCOL)], compression=None,
-            process_request=self._process_request,
+            process_request=self._process_request, process_response=self._process_response,
             # Frames up to twice the limit are read, to be answered FRAME_TOO_LARGE; the
             # library closes anything bigger itself (1009).
             max_size=2 * frames.MAX_FRAME_BYTES, max_queue=self.limits.inbound_frames,

@@ -179,6 +179,13 @@ def test_the_connection_limit(start_gateway: Callable[..., GatewayProcess],
         return connect(gateway.url, ssl=tls[2], additional_headers=headers,
                        subprotocols=[SUBPROTOCOL], compression=None, legacy=True)
 
+    def bad_subprotocol() -> ClientConnection:
+        return connect(gateway.url, ssl=tls[2], additional_headers=headers,
+                       subprotocols=["chat"], compression=None, legacy=True)
+
+    # Handshakes that fail after the credential check take no place for good.
+    for _ in range(3):
+        assert _status(bad_subprotocol) == 400
     first, second = one(), one()
     try:
         assert _status(one) == 503
