@@ -1,0 +1,66 @@
+"""A TCP proxy between a client and a server that a test can cut: every connection
+through it is dropped at once (both sides see the TCP connection end), new ones are
+let through again. TLS passes through untouched: the client still checks the server's
+certificate end to end."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+
+class Proxy:
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.connections = 0
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._pairs.append((client, server))
+                self.connections += 1
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> int:
+        """Drop every connection now; how many there were."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            for s in pair:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        return len(pairs)
+
+    def close(self) -> None:
+        self._listener.close()
+        self.cut()
