@@ -73,10 +73,17 @@ def migrate(ctx: click.Context) -> None:
 
 
 def _workers_payload(store: SqlStore) -> list[dict[str, Any]]:
+    # ``via``: a gateway registers its remote workers with the label; others are direct.
     return [{"id": w.worker_id, "alive": w.alive, "expires_in": round(w.expires_in, 3),
              "draining": w.draining, "labels": dict(w.labels),
+             "via": "gateway" if w.labels.get("via") == "gateway" else "direct",
              "registered_at": w.registered_at, "last_heartbeat": w.last_heartbeat}
             for w in store.list_workers()]
+
+
+#: Labels shown in the text table: a direct worker's, then a gateway worker's.
+_SHOWN_LABELS = ("pool", "concurrency", "pid", "queues", "gateway", "credential", "queue",
+                 "capacity")
 
 
 def _print_workers(rows: list[dict[str, Any]]) -> None:
@@ -84,12 +91,13 @@ def _print_workers(rows: list[dict[str, Any]]) -> None:
         click.echo("no workers registered")
         return
     width = max(len(r["id"]) for r in rows)
-    click.echo(f"{'WORKER':<{width}}  {'ALIVE':<5}  {'EXPIRES IN':>10}  LABELS")
+    click.echo(f"{'WORKER':<{width}}  {'VIA':<7}  {'ALIVE':<5}  {'EXPIRES IN':>10}  LABELS")
     for r in rows:
         alive = click.style("yes", fg="green") if r["alive"] else click.style("no ", fg="red")
         labels = ", ".join(f"{k}={v}" for k, v in sorted(r["labels"].items())
-                           if k in ("pool", "concurrency", "pid", "queues"))
-        click.echo(f"{r['id']:<{width}}  {alive:<5}  {_fmt_seconds(r['expires_in']):>10}  "
+                           if k in _SHOWN_LABELS)
+        click.echo(f"{r['id']:<{width}}  {r['via']:<7}  {alive:<5}  "
+                   f"{_fmt_seconds(r['expires_in']):>10}  "
                    f"{labels}" + ("  [draining]" if r["draining"] else ""))
 
 

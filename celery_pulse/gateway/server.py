@@ -27,7 +27,8 @@ The rules, before any code:
   1009) and for authority lost mid-session (close 1008).
 
 Store calls block, so they run in threads (``asyncio.to_thread``), each under
-``store_timeout``; the event loop never waits on SQL.
+``store_timeout``; the event loop never waits on SQL. An instance with a current session
+is a registered worker (:mod:`celery_pulse.gateway.presence`), as a direct worker is.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import dataclasses
 import functools
 import json
 import logging
+import os
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -65,6 +68,7 @@ from celery_pulse.gateway.credentials import (
 )
 from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
+from celery_pulse.gateway.presence import Presence
 from celery_pulse.gateway.session import (
     FINISHED,
     LEASED,
@@ -157,7 +161,7 @@ class Gateway:
     def __init__(self, credentials: CredentialStore, now: Callable[[], float], *,
                  limits: Limits | None = None, lease_ttl: float | None = None,
                  store: Store | None = None, app: Any = None, on_lost: str | None = None,
-                 max_attempts: int = 3) -> None:
+                 max_attempts: int = 3, name: str | None = None) -> None:
         self.credentials = credentials
         #: The store's clock (``server_time``, ``expires_at``): never this host's.
         self.now = now
@@ -179,6 +183,11 @@ class Gateway:
         self._feeders: dict[str, Feeder] = {}  # instance_id -> its queue's consumer
         self._holders: dict[str, str] = {}  # instance_id -> its holder name in the store
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: This gateway in its instances' registry labels, and who asks for their drains.
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        #: The instances' rows in the worker registry (none without a store).
+        self.presence = None if store is None else Presence(
+            store, self._store, ttl=self.limits.session_ttl, gateway=self.name)
 
     # -- the handshake ----------------------------------------------------------------
     async def _process_request(self, conn: ServerConnection, request: Request
@@ -246,6 +255,8 @@ class Gateway:
                     known.close(session)
                     if known.current is None:
                         self._stop_feeding(session.instance_id)
+                        if self.presence is not None:
+                            await self.presence.leave(self._holders[session.instance_id])
 
     async def _hello(self, conn: ServerConnection, link: Link, credential: Credential
                      ) -> tuple[Instance, Session]:
@@ -284,6 +295,12 @@ class Gateway:
             body = await self._welcome(instance, session)
             link.send(Frame("worker.welcome", frames.new_id(), body, session.session_id,
                             frame.message_id))
+            if self.presence is not None:
+                worker_id = self._holders[instance.instance_id]
+                self.presence.arrive(worker_id, self.presence.labels(
+                    credential.name, hello.queue_id, hello.capacity))
+                if instance.capacity.drain:  # kept across reconnects, in the registry too
+                    self.presence.drain(worker_id, self._drain_requester(instance))
             logger.info("pulse gateway: instance %s (credential %s, queue %s) session %s "
                         "epoch %d", instance.instance_id, credential.name, hello.queue_id,
                         session.session_id, session.epoch)
@@ -346,7 +363,11 @@ class Gateway:
         """One operation of a current, authorised session (not a repeat)."""
         if frame.type == "worker.capacity":
             update: frames.CapacityUpdate = frame.body
-            instance.declare(update.sequence, update.capacity, update.drain)
+            before = instance.capacity.drain
+            declared = instance.declare(update.sequence, update.capacity, update.drain)
+            if declared.drain and not before and self.presence is not None:
+                self.presence.drain(self._holders[instance.instance_id],
+                                    self._drain_requester(instance))
             self._feed(instance)
             return await self._welcome(instance, session)
         fenced = self._fenced(instance)
@@ -424,7 +445,14 @@ class Gateway:
             return
         from celery import states
 
-        if finish.outcome == "SUCCEEDED":
+        meta = finish.result.get("celery_meta") if isinstance(finish.result, dict) else None
+        if isinstance(meta, dict) and isinstance(meta.get("status"), str):
+            # A Celery worker's own meta (celery_pulse.gateway.worker): its state, result
+            # (an exception already in Celery's JSON form) and traceback, as it wrote them.
+            call = functools.partial(backend.store_result, attempt.task_id,
+                                     meta.get("result"), meta["status"],
+                                     traceback=meta.get("traceback"))
+        elif finish.outcome == "SUCCEEDED":
             call = functools.partial(backend.store_result, attempt.task_id, finish.result,
                                      states.SUCCESS)
         else:
@@ -552,6 +580,10 @@ class Gateway:
             logger.warning("pulse gateway: store call %s failed: %s",
                            getattr(call, "__name__", call), exc)
             raise ProtocolError(Code.INTERNAL, "the gateway could not do this") from None
+
+    def _drain_requester(self, instance: Instance) -> str:
+        """Who asked for the drain, as the store's drain request records it."""
+        return f"worker.capacity of {instance.instance_id} via gateway {self.name}"
 
     def _replaced(self, previous: Session) -> None:
         link = self._links.pop(previous.session_id, None)

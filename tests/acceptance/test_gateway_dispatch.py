@@ -9,6 +9,8 @@ client sends), so each rule of the protocol is asserted as sent and received.
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -231,3 +233,54 @@ def test_resume_reports_the_lease_without_extending_it(
     assert lease["lease_until"] == started["body"]["lease"]["lease_until"]
     renewed = back.call("task.renew", _ref(assign))["body"]["lease"]
     assert renewed["active"] is True and renewed["lease_until"] > lease["lease_until"]
+
+
+def test_gateway_workers_are_listed_beside_direct_ones(
+        env: Env, store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+    # A direct worker's registration, as a -P pulse worker makes it (no "via" label).
+    store.register("direct@host", {"pool": "pulse", "queues": [env.queue]}, 60.0)
+    hello = hello_body(queue=env.queue, capacity=3)
+    name = f"gw:runner:{hello['instance_id']}"
+
+    def listed() -> dict[str, Any]:
+        return {w["id"]: w for w in env.celery_json("pulse", "workers")}
+
+    peer = _worker(open_peer, env, capacity=3, hello=hello)
+    row = wait_for(lambda: listed().get(name), 20, "the gateway worker to be registered")
+    assert row["alive"] is True and row["draining"] is False and row["via"] == "gateway"
+    assert {k: row["labels"][k] for k in ("via", "credential", "queue", "capacity")} == {
+        "via": "gateway", "credential": "runner", "queue": env.queue, "capacity": 3}
+    assert re.fullmatch(r".+:\d+", row["labels"]["gateway"])  # which gateway: host:pid
+    assert listed()["direct@host"]["via"] == "direct"
+    status = json.loads(env.celery("pulse", "status", "--json").stdout)
+    assert {w["id"]: w["via"] for w in status["workers"]} == {
+        "direct@host": "direct", name: "gateway"}
+    lines = env.celery("pulse", "workers").stdout.splitlines()
+    assert lines[0].split()[:3] == ["WORKER", "VIA", "ALIVE"]
+    [gw_line] = [ln for ln in lines if ln.startswith(name)]
+    assert gw_line.split()[1] == "gateway" and f"queue={env.queue}" in gw_line
+    [direct_line] = [ln for ln in lines if ln.startswith("direct@host")]
+    assert direct_line.split()[1] == "direct"
+
+    # A reconnect registers the instance again (a new registration of the same name);
+    # the replaced connection ending doesn't take it away.
+    back = open_peer()
+    welcome = back.call("worker.hello", hello, session_id=None)
+    back.session_id = welcome["body"]["session_id"]
+    assert peer.closed_with() == 1008
+    wait_for(lambda: listed().get(name, row)["registered_at"] > row["registered_at"], 20,
+             "the reconnected instance to be registered again")
+
+    # drain=true is the registry's drain of its name: shown while it is still alive.
+    assert back.call("worker.capacity", {"sequence": "2", "capacity": 3, "drain": True}
+                     )["body"]["draining"] is True
+    drained = wait_for(lambda: (w := listed().get(name)) and w["draining"] and w, 20,
+                       "the gateway worker to show as draining")
+    assert drained["alive"] is True
+    assert "[draining]" in next(ln for ln in env.celery("pulse", "workers").stdout
+                                .splitlines() if ln.startswith(name))
+
+    # Its last connection closes: deregistered at once (not left to expire).
+    back.conn.close()
+    wait_for(lambda: name not in listed(), 20, "the gateway worker to be deregistered")
+    assert "direct@host" in listed()

@@ -141,6 +141,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, ssl.SSLCo
     for extra in cert.cert_chain_pems[1:]:
         with open(folder / "cert.pem", "ab") as fh:
             fh.write(extra.bytes())
+    ca.cert_pem.write_to_path(folder / "ca.pem")
     client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)  # verifies cert and host
     ca.configure_trust(client)
     return folder / "cert.pem", folder / "key.pem", client
