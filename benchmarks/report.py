@@ -670,6 +670,8 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
     _section(lines, results, "drivers", "8. MySQL/MariaDB drivers", _md_drivers)
     _section(lines, results, "permits", "9. Concurrency permits: a limited task kind vs an "
              "unlimited one", lambda d, ls: _md_permits(d, ls, img))
+    _section(lines, results, "gateway", "10. Through the lease gateway (issue 18)",
+             _md_gateway)
     lines += ["", "## How the runner measures", "",
               "- Every broker queue, PostgreSQL schema, MariaDB database and SQLite file is fresh "
               "per run and migrated first; every process the runner starts lives in its own process group "
@@ -1353,3 +1355,23 @@ def _permits_meaning(pm: dict[str, Any]) -> str:
                          f"({r['held_left']} held, {r['waiting_left']} waiting, "
                          f"{r['live_left']} claims live)" for r in left) + "**.")
     return text
+
+
+def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:
+    from benchmarks import gateway as section
+
+    lines += [(section.__doc__ or "").split("\n\n", 1)[1].strip(), "",
+              "| Workload | direct (tasks/s) | through the gateway (tasks/s) | gateway / direct |",
+              "| --- | --- | --- | --- |"]
+    for row in gw["summary"]:
+        lines.append(f"| {row['label']} | {num(row['direct'])} | {num(row['gateway'])} | "
+                     f"{ratio(row['ratio'])} |")
+    renew = gw["renew"]
+    lines += ["", f"Renewal round trip, {renew['clients']} workers renewing once every "
+              f"{renew['every_s']:g} s for {renew['seconds']:g} s:", "",
+              "| Path | renewals | p50 | p99 |", "| --- | --- | --- | --- |"]
+    for key, label in (("direct", "direct to the store (one statement)"),
+                       ("gateway", "through the gateway (TLS, one frame each way)")):
+        r = renew[key]
+        lines.append(f"| {label} | {r['count']} | {r['p50_ms']:.1f} ms | "
+                     f"{r['p99_ms']:.1f} ms |")

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from benchmarks import (
     drivers,
     failover,
+    gateway,
     infra,
     leaseloss,
     permits,
@@ -40,6 +41,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "leaseloss": leaseloss.run,
     "drivers": drivers.run,
     "permits": permits.run,
+    "gateway": gateway.run,
 }
 
 

@@ -585,6 +585,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
     from celery_pulse.recover import Recoverer
 
     try:
+        from celery_pulse.gateway.events import GatewayEvents
         from celery_pulse.gateway.server import Gateway, Limits, server_ssl_context
     except ImportError as exc:
         raise click.ClickException(f"the gateway needs the websockets library ({exc}): "
@@ -602,7 +603,8 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
         gateway = Gateway(store.credentials, store.now, lease_ttl=settings.lease_ttl,
                           limits=Limits(max_connections=max_connections), store=store,
                           app=ctx.obj.app, on_lost=settings.on_lost,
-                          max_attempts=settings.max_attempts)
+                          max_attempts=settings.max_attempts,
+                          events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3))
         # Recover runs here too: a cluster of gateway workers alone still has its expired
         # claims taken over (retention stays with the direct workers' leader).
         recoverer = Recoverer(
@@ -616,6 +618,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
+            beats = asyncio.ensure_future(gateway.heartbeats())
             async with await gateway.serve(host.strip("[]"), int(port_text), tls) as server:
                 ports = sorted({s.getsockname()[1] for s in server.sockets})
                 click.echo(f"pulse gateway: serving pulse.worker.v1 on "
@@ -626,6 +629,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                                "development only", err=True)
                 await stop.wait()
                 click.echo("pulse gateway: stopping (closing connections)", err=True)
+            beats.cancel()
 
         recoverer.start()
         try:

@@ -65,6 +65,23 @@ def stamp_publication(headers: Any = None, **_kwargs: Any) -> None:
         headers[PUBLICATION_HEADER] = str(fixed) if fixed else uuid.uuid4().hex
 
 
+def configure_gateway_worker(app: Any) -> None:
+    """With ``pulse_gateway_url``, the app's broker is the gateway (``pulsegw://``) and
+    what needs a broker of one's own is off: remote control, events, mingle and gossip."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.setdefault("pulsegw", "celery_pulse.gateway.transport:Transport")
+    url = app.conf.get("pulse_gateway_url")
+    if not url:
+        return
+    options = dict(app.conf.broker_transport_options or {})
+    options["gateway_url"] = url
+    app.conf.update(broker_url="pulsegw://", broker_transport_options=options,
+                    result_backend="celery_pulse.gateway.results:GatewayBackend",
+                    worker_enable_remote_control=False, worker_send_task_events=False,
+                    task_send_sent_event=False, broker_connection_retry_on_startup=True)
+
+
 def install(app: Any) -> Any:
     """Add the pulse bootsteps to ``app`` and the ``pulse`` pool name. Idempotent.
 
@@ -84,6 +101,7 @@ def install(app: Any) -> Any:
         from celery_pulse.embedded import atomic_filesystem_puts
 
         atomic_filesystem_puts()  # kombu#1551: a half-written message kills a consumer
+    configure_gateway_worker(app)
     app.Task.Strategy = "celery_pulse.strategy:factory"
     app.steps["worker"].add(Runtime)
     app.steps["consumer"].add(Registry)

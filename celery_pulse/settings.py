@@ -108,6 +108,17 @@ class Settings:
     permit_wait_event: float = dataclasses.field(
         default=60.0, metadata=_doc("Send a `pulse-permit-wait` event for a task that has "
                                     "waited this long for a concurrency permit.", "60 s"))
+    gateway_url: str | None = dataclasses.field(
+        default=None, metadata=_doc("A worker that talks only to a lease gateway "
+                                    "(`wss://host:8443/v1/worker/connect`): it holds no "
+                                    "database or broker credentials (docs/gateway.md).",
+                                    "None (a direct worker)"))
+    gateway_credentials: str | None = dataclasses.field(
+        default=None, metadata=_doc("With pulse_gateway_url: the credentials file `celery "
+                                    "pulse credentials create --output` wrote.", "None"))
+    gateway_ca: str | None = dataclasses.field(
+        default=None, metadata=_doc("With pulse_gateway_url: a CA bundle (PEM) to check the "
+                                    "gateway's certificate against.", "the system's"))
 
     def __post_init__(self) -> None:
         # Derived defaults: an interval left at 0 means "a third of its TTL".
@@ -153,6 +164,18 @@ class Settings:
         if self.beat_catchup not in ("latest", "all"):
             raise InvalidConfig(f"pulse_beat_catchup must be 'latest' or 'all', got "
                                 f"{self.beat_catchup!r}", setting="pulse_beat_catchup")
+        if self.gateway_url is not None:
+            if urlsplit(self.gateway_url).scheme not in ("wss", "ws"):
+                raise InvalidConfig(f"pulse_gateway_url: expected a wss:// (or ws://) URL, got "
+                                    f"{self.gateway_url!r}", setting="pulse_gateway_url")
+            if not self.gateway_credentials or not os.path.isfile(self.gateway_credentials):
+                raise InvalidConfig(f"pulse_gateway_credentials: a gateway worker needs its "
+                                    f"credentials file (celery pulse credentials create "
+                                    f"--output FILE); {self.gateway_credentials!r} is none",
+                                    setting="pulse_gateway_credentials")
+        if self.gateway_ca is not None and not os.path.isfile(self.gateway_ca):
+            raise InvalidConfig(f"pulse_gateway_ca: no such file {self.gateway_ca!r}",
+                                setting="pulse_gateway_ca")
         if self.on_lost is not None and self.on_lost not in ON_LOST_POLICIES:
             raise InvalidConfig(f"pulse_on_lost must be one of {ON_LOST_POLICIES}, "
                                 f"got {self.on_lost!r}", setting="pulse_on_lost")

@@ -68,6 +68,12 @@ RULES: dict[str, Rule] = {
                                {"pulse_concurrency_limits": {"proj.tasks.charge": 0}}),
     "permit_backlog": Rule("an integer >= 1", {"pulse_permit_backlog": 0}),
     "permit_wait_event": Rule(_POSITIVE, {"pulse_permit_wait_event": 0}),
+    "gateway_url": Rule("a `wss://` (or `ws://`) URL, or unset",
+                        {"pulse_gateway_url": "https://gw.example:8443/v1/worker/connect"}),
+    "gateway_credentials": Rule("with `pulse_gateway_url`: an existing file",
+                                {"pulse_gateway_url": "wss://gw.example:8443/v1/worker/connect",
+                                 "pulse_gateway_credentials": "/nonexistent/runner.json"}),
+    "gateway_ca": Rule("an existing file, or unset", {"pulse_gateway_ca": "/nonexistent/ca.pem"}),
 }
 
 #: Per-task options (``@app.task(pulse_...=...)``): not part of Settings.

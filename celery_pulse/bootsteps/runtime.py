@@ -9,6 +9,7 @@ to run, and exit code 78 (EX_CONFIG).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -81,8 +82,10 @@ class PulseWorker:
     """
 
     def __init__(self, app: Any, hostname: str, concurrency: int, settings: Settings,
-                 store: Any, rules: PermitRules | None = None) -> None:
+                 store: Any, rules: PermitRules | None = None, *, remote: bool = False) -> None:
         self.app = app
+        #: A gateway worker (``pulse_gateway_url``): no Recover, beat or retention here.
+        self.remote = remote
         self.hostname = hostname
         self.settings = settings
         self.store = store
@@ -157,7 +160,8 @@ class PulseWorker:
             self.signals.start()
         if self.chords is not None:
             self.chords.start()
-        self.recoverer.start()
+        if not self.remote:
+            self.recoverer.start()
         if self.elector is not None and self.beat is not None:
             self.beat.start()
             self.elector.start()
@@ -269,7 +273,8 @@ class PulseWorker:
         """
         self.keeper.forget(claim)
         self.ahead.left(claim)
-        self.recoverer.requeue(claim.key)
+        if not self.remote:  # a gateway worker's lease expires there, and Recover acts
+            self.recoverer.requeue(claim.key)
         logger.info("pulse: task %s epoch %d requeued by Celery", claim.task_id, claim.epoch)
         self.claim_ended(claim.task_id)
         self.admit_waiting()
@@ -288,7 +293,8 @@ class PulseWorker:
             self.beat.stop()
         if self.elector is not None:
             self.elector.stop()  # releases: the next leader ticks within one interval
-        self.recoverer.stop()
+        if not self.remote:
+            self.recoverer.stop()
         self.keeper.stop()
         self.signals.stop()
         if self.chords is not None:
@@ -446,6 +452,30 @@ def _short_redis_visibility(app: Any, settings: Settings) -> None:
         app.conf.broker_transport_options = options
 
 
+def _gateway_store(w: Any, settings: Settings) -> tuple[Settings, Any]:
+    """A gateway worker's store (its gateway connection, made now), and its settings with
+    the gateway's lease: never a local deadline longer than the lease the store grants."""
+    from celery_pulse.errors import InvalidConfig
+    from celery_pulse.gateway.worker import GatewayStore, connect_worker
+
+    queues = list(w.app.amqp.queues.consume_from or w.app.amqp.queues)
+    if len(queues) != 1:
+        raise InvalidConfig(f"pulse_gateway_url: a gateway worker consumes exactly one queue "
+                            f"(-Q NAME), not {queues}", setting="pulse_gateway_url")
+    if settings.concurrency_limits or any(getattr(t, "pulse_concurrency", None)
+                                          for t in w.app.tasks.values()):
+        raise InvalidConfig("pulse_gateway_url: concurrency limits need a direct worker",
+                            setting="pulse_gateway_url")
+    multiplier = int(w.app.conf.worker_prefetch_multiplier or 0)
+    capacity = min(256, max(1, w.concurrency * multiplier if multiplier > 0 else w.concurrency))
+    handlers = [name for name in w.app.tasks if not name.startswith("celery.")]
+    client = connect_worker(settings, queues[0], capacity, handlers)
+    ttl = min(settings.lease_ttl, client.lease_duration)
+    settings = dataclasses.replace(settings, lease_ttl=ttl, beat=False,
+                                   renew_interval=min(settings.renew_interval, ttl / 3))
+    return settings, GatewayStore(client, settings.gateway_url or "")
+
+
 class Runtime(bootsteps.StartStopStep):
     """Builds ``worker.pulse`` (a :class:`PulseWorker`) or stops the process."""
 
@@ -459,7 +489,10 @@ class Runtime(bootsteps.StartStopStep):
         try:
             settings = Settings.from_conf(w.app.conf)
             rules = PermitRules.for_app(w.app, settings.concurrency_limits)
-            store = open_store(settings.store_url, settings.store_connect_timeout)
+            if settings.gateway_url:
+                settings, store = _gateway_store(w, settings)
+            else:
+                store = open_store(settings.store_url, settings.store_connect_timeout)
         except PulseError as exc:
             # Logging may not be set up yet: one plain line on stderr, no traceback.
             print(f"celery-pulse: cannot start: {exc}", file=sys.stderr, flush=True)
@@ -469,7 +502,8 @@ class Runtime(bootsteps.StartStopStep):
                            "pulse_beat is on: every slot may fire twice. Drop -B; pulse's "
                            "leader-elected beat already runs in every -P pulse worker.")
         _short_redis_visibility(w.app, settings)
-        w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store, rules)
+        w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store, rules,
+                              remote=bool(settings.gateway_url))
         return self
 
     def start(self, w: Any) -> None:

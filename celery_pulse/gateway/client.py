@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import queue
 import secrets
 import ssl
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 #: deducted too: the deadline counts from when the request was sent).
 SAFETY_MARGIN = 2.0
 FATAL = (Code.UNAUTHENTICATED, Code.FORBIDDEN)
+#: Assignments remembered (a lost one's late finish still goes out as evidence).
+KEPT = 4096
 
 
 class GatewayClosed(PulseError):
@@ -66,7 +69,9 @@ class Assigned:
 
     task_id: str  # the Celery task id
     name: str
-    message: Mapping[str, Any]  # body (bytes), content_type, content_encoding, headers, ...
+    #: The Celery message: body (base64), content_type, content_encoding, headers,
+    #: properties, delivery_info.
+    message: Mapping[str, Any]
     ref: Mapping[str, str]  # task_id, attempt_id, epoch, lease_secret (wire form)
     lease_until: str
     received: float  # monotonic
@@ -126,10 +131,16 @@ class GatewayClient:
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._held: dict[str, Mapping[str, str]] = {}  # attempt_id -> ref, to resume
+        #: (Celery task id, epoch) -> the assignment, until it is finished or lost.
+        self._by_task: dict[tuple[str, int], Assigned] = {}
         self._closed = threading.Event()
         self._fatal: PulseError | None = None
         self._reader: threading.Thread | None = None
         self.reconnects = 0
+        #: Written once per assignment: an event loop's reader wakes on it.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     # -- life -----------------------------------------------------------------------
     def start(self) -> None:
@@ -148,6 +159,37 @@ class GatewayClient:
         if self._reader is not None:
             self._reader.join(10)
         self._fail_all(GatewayClosed("the gateway client is closed"))
+
+    def wakeup_fd(self) -> int:
+        """A file descriptor that becomes readable when an assignment arrives (read it
+        empty, then take the assignments)."""
+        return self._wake_r
+
+    @property
+    def fatal(self) -> PulseError | None:
+        """Why the client ended for good (None while it may still work)."""
+        return self._fatal
+
+    @property
+    def draining(self) -> bool:
+        return self._drain
+
+    def assigned_for(self, task_id: str, epoch: int) -> Assigned | None:
+        """The assignment of ``task_id`` under ``epoch`` this instance holds, if any."""
+        with self._lock:
+            return self._by_task.get((task_id, epoch))
+
+    def forget(self, ref: Mapping[str, str], *, lost_only: bool = False) -> None:
+        """Stop resuming this attempt; unless ``lost_only``, forget it altogether (it
+        finished, or was given up). A lost attempt is still found by :meth:`assigned_for`:
+        its late finish must still reach the gateway, to be kept as evidence."""
+        with self._lock:
+            self._held.pop(ref["attempt_id"], None)
+            if lost_only:
+                return
+            for key, value in list(self._by_task.items()):
+                if value.ref["attempt_id"] == ref["attempt_id"]:
+                    del self._by_task[key]
 
     # -- operations (blocking, any thread) --------------------------------------------
     def declare(self, capacity: int, drain: bool | None = None) -> Answer:
@@ -174,16 +216,14 @@ class GatewayClient:
         try:
             return self.call("task.finish", body)
         finally:
-            with self._lock:
-                self._held.pop(assigned.ref["attempt_id"], None)
+            self.forget(assigned.ref)
 
     def _on_attempt(self, kind: str, ref: Mapping[str, str]) -> Answer:
         try:
             return self.call(kind, dict(ref))
         except ProtocolError as exc:
             if exc.code in (Code.LEASE_LOST, Code.NOT_FOUND):
-                with self._lock:
-                    self._held.pop(ref["attempt_id"], None)
+                self.forget(ref, lost_only=True)
             raise
 
     def call(self, kind: str, body: Mapping[str, Any], timeout: float = 60.0) -> Answer:
@@ -316,12 +356,16 @@ class GatewayClient:
             body = frame.body
             task = body["task"]
             ref = {k: body[k] for k in ("task_id", "attempt_id", "epoch", "lease_secret")}
+            assigned = Assigned(task["id"], task["name"], task, ref, body["lease_until"],
+                                time.monotonic())
             with self._lock:
                 self._held[ref["attempt_id"]] = ref
-            self.assignments.put(Assigned(
-                task["id"], task["name"],
-                {**task, "body": base64.b64decode(task["body"])}, ref, body["lease_until"],
-                time.monotonic()))
+                self._by_task[(assigned.task_id, int(ref["epoch"]))] = assigned
+                while len(self._by_task) > KEPT:  # lost ones nobody finished: the oldest
+                    del self._by_task[next(iter(self._by_task))]
+            self.assignments.put(assigned)
+            with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+                os.write(self._wake_w, b"!")
             return
         with self._lock:
             pending = self._pending.get(frame.reply_to or "")

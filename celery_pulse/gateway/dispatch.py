@@ -9,9 +9,10 @@ The rules, before any code:
   the broker: from then on the claim row owns the task, and the gateway dying loses
   nothing. If the store can't be reached the delivery goes back to the broker and the
   feeder waits: never unowned work.
-* **Within capacity.** The feeder takes a delivery only while the instance has a free
-  slot (declared capacity minus attempts held); with one delivery unacknowledged at a
-  time, the broker keeps the rest.
+* **Within capacity.** The feeder consumes only while the instance has a free slot
+  (declared capacity minus attempts held), one delivery unacknowledged at a time; with
+  no room it stops consuming and hands back a delivery already on its way, so an
+  instance never sits on a task another one could run.
 * **Fenced by the store.** ``task.start``, ``task.renew`` and ``task.finish`` are the
   store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
   token): a stale attempt can't start, renew or finish; its late finish is kept as
@@ -108,18 +109,26 @@ class Feeder(threading.Thread):
         queue = self.app.amqp.queues[self.queue]  # declared as a Celery worker would
         with self.app.connection_for_read() as conn, conn.Consumer(
                 [queue], on_message=self._on_message, accept=self.app.conf.accept_content,
-                prefetch_count=1, auto_declare=True):
+                prefetch_count=1, auto_declare=True) as consumer:
+            consuming = True
             while not self._stop.is_set():
-                if self.free() <= 0:
-                    self._room.wait(0.5)
-                    self._room.clear()
-                    continue
+                room = self.free() > 0
+                # No room: stop consuming, so the broker gives this instance nothing to
+                # hold; a delivery already on its way is handed back (_on_message).
+                if room != consuming:
+                    (consumer.consume if room else consumer.cancel)()
+                    consuming = room
                 try:
-                    conn.drain_events(timeout=0.5)
+                    conn.drain_events(timeout=0.5 if room else 0.05)
                 except TimeoutError:
-                    continue
+                    if not room:
+                        self._room.wait(0.5)
+                        self._room.clear()
 
     def _on_message(self, message: Any) -> None:
+        if self.free() <= 0:  # sent before consumption stopped: the broker keeps it
+            message.requeue()
+            return
         headers = message.headers or {}
         task_id, name = headers.get("id"), headers.get("task")
         if not task_id or not name:  # not Celery's task protocol 2: nothing to lease

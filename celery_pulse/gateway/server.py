@@ -67,6 +67,7 @@ from celery_pulse.gateway.credentials import (
     Unauthenticated,
 )
 from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
+from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.presence import Presence
 from celery_pulse.gateway.session import (
@@ -161,7 +162,8 @@ class Gateway:
     def __init__(self, credentials: CredentialStore, now: Callable[[], float], *,
                  limits: Limits | None = None, lease_ttl: float | None = None,
                  store: Store | None = None, app: Any = None, on_lost: str | None = None,
-                 max_attempts: int = 3, name: str | None = None) -> None:
+                 max_attempts: int = 3, name: str | None = None,
+                 events: GatewayEvents | None = None) -> None:
         self.credentials = credentials
         #: The store's clock (``server_time``, ``expires_at``): never this host's.
         self.now = now
@@ -183,6 +185,9 @@ class Gateway:
         self._feeders: dict[str, Feeder] = {}  # instance_id -> its queue's consumer
         self._holders: dict[str, str] = {}  # instance_id -> its holder name in the store
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Celery events on the instances' behalf (Flower), or None.
+        self.events = events
+        self._background: set[asyncio.Future[None]] = set()
         #: This gateway in its instances' registry labels, and who asks for their drains.
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         #: The instances' rows in the worker registry (none without a store).
@@ -257,6 +262,9 @@ class Gateway:
                         self._stop_feeding(session.instance_id)
                         if self.presence is not None:
                             await self.presence.leave(self._holders[session.instance_id])
+                        if self.events is not None:
+                            await self.events.worker(
+                                "offline", self._holders[session.instance_id])
 
     async def _hello(self, conn: ServerConnection, link: Link, credential: Credential
                      ) -> tuple[Instance, Session]:
@@ -297,6 +305,8 @@ class Gateway:
                             frame.message_id))
             if self.presence is not None:
                 worker_id = self._holders[instance.instance_id]
+                if self.events is not None:
+                    self._spawn(self.events.worker("online", worker_id))
                 self.presence.arrive(worker_id, self.presence.labels(
                     credential.name, hello.queue_id, hello.capacity))
                 if instance.capacity.drain:  # kept across reconnects, in the registry too
@@ -381,6 +391,11 @@ class Gateway:
                 feeder.room()
             if answer == "applied":
                 await self._write_result(attempt, finish)
+                if self.events is not None:
+                    self._spawn(self.events.send(
+                        "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
+                        self._holders[instance.instance_id], uuid=attempt.task_id,
+                        exception=finish.error_code or "", result=""))
             now = await self._store(self.now)
             state = {"applied": OUTCOME_STATES[finish.outcome],
                      "duplicate": OUTCOME_STATES[finish.outcome]}.get(answer, "UNKNOWN")
@@ -406,6 +421,9 @@ class Gateway:
                                     "attempt no longer grants execution authority")
             attempt.state, attempt.lease_until = RUNNING, lease_until
             attempt.deadline = sent + self.limits.lease_ttl
+            if self.events is not None:
+                self._spawn(self.events.send("task-started", self._holders[instance.instance_id],
+                                             uuid=attempt.task_id))
             return _command("start", "RUNNING", "RUNNING", attempt, lease_until, "APPLIED",
                             _lease(True, "RUNNING", lease_until, now))
         # task.renew: only a running attempt is renewed (the seed's rule).
@@ -596,6 +614,25 @@ class Gateway:
                 link.close(CloseCode.POLICY_VIOLATION, "session replaced"))
 
     # -- running ----------------------------------------------------------------------
+    def _spawn(self, work: Awaitable[None]) -> None:
+        """Fire and forget (an event): kept referenced until done."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def heartbeats(self) -> None:
+        """``worker-heartbeat`` events for every instance with a current session, at the
+        registry's beat (run it beside :meth:`serve` when events are on)."""
+        if self.events is None:
+            return
+        while True:
+            await asyncio.sleep(self.limits.session_ttl / 3)
+            for instance_id, holder in list(self._holders.items()):
+                known = self.sessions.get(instance_id)
+                if known is not None and known.current is not None:
+                    active = sum(a.state == RUNNING for a in list(known.attempts.values()))
+                    self._spawn(self.events.worker("heartbeat", holder, active))
+
     def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
               ) -> Awaitable[Server]:
         """Start listening (await it: the server; ``async with`` it to stop)."""

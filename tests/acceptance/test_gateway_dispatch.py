@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +23,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.store.sql import SqlStore, open_store
-from tests.helpers.gateway import Peer, hello_body
+from tests.helpers.gateway import GatewayProcess, Peer, hello_body
 from tests.helpers.workers import Env, wait_for
 
 TTL = 3.0
@@ -284,3 +286,69 @@ def test_gateway_workers_are_listed_beside_direct_ones(
     back.conn.close()
     wait_for(lambda: name not in listed(), 20, "the gateway worker to be deregistered")
     assert "direct@host" in listed()
+
+
+def test_a_slow_consumer_is_disconnected_and_loses_nothing(
+        env: Env, client: Celery, store: SqlStore, gateway: GatewayProcess,
+        open_peer: Callable[..., Peer]) -> None:
+    """A worker that stops reading: its gateway's writes block, the write deadline (5 s)
+    ends the connection; what the gateway reserved for it is in the store, expires and
+    is re-dispatched: another worker receives every task."""
+    count, pad = 48, "x" * 300_000  # ~400 KB a frame: the socket buffers fill
+    slow = _worker(open_peer, env, capacity=count)
+    ids = {client.send_task("opsapp.noop", (pad,), queue=env.queue).id for _ in range(count)}
+    wait_for(lambda: "write did not complete" in gateway.log(), 60,
+             "the gateway to drop the worker that doesn't read")
+    del slow  # never read from: closed by its fixture
+    fast = _worker(open_peer, env, capacity=count)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while seen != ids and time.monotonic() < deadline:
+        assign = fast.assignment(timeout=max(0.1, deadline - time.monotonic()))
+        seen.add(assign["body"]["task"]["id"])
+    assert seen == ids
+
+
+def test_flower_sees_gateway_workers_through_the_gateways_events(
+        env: Env, client: Celery, open_peer: Callable[..., Peer]) -> None:
+    """Celery events, sent by the gateway for its workers (what Flower and ``celery
+    events`` read): online/offline under the holder name, task started and succeeded."""
+    events: list[dict[str, Any]] = []
+    ready, stop = threading.Event(), threading.Event()
+
+    def listen() -> None:
+        with client.connection_for_read() as conn:
+            receiver = client.events.Receiver(conn, handlers={"*": events.append})
+            receiver.on_consume_ready = lambda *_a, **_k: ready.set()
+            receiver.should_stop = False
+            threading.Thread(target=lambda: (stop.wait(), setattr(
+                receiver, "should_stop", True)), daemon=True).start()
+            receiver.capture(limit=None, timeout=None, wakeup=False)
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    assert ready.wait(15), "the event receiver did not start"
+    try:
+        peer = _worker(open_peer, env, capacity=1)
+        task_id = _publish(client, env)
+        assign = peer.assignment()
+        assert peer.call("task.start", _ref(assign))["type"] == "ack"
+        assert peer.call("task.finish", {"ref": _ref(assign), "outcome": "SUCCEEDED",
+                                         "result": 1})["type"] == "ack"
+        peer.conn.close()
+
+        def seen(kind: str, **match: Any) -> bool:
+            return any(e["type"] == kind and all(e.get(k) == v for k, v in match.items())
+                       for e in list(events))
+        wait_for(lambda: seen("worker-online"), 15, "worker-online")
+        [online] = [e for e in events if e["type"] == "worker-online"]
+        holder = online["hostname"]
+        assert holder.startswith("gw:runner:")
+        wait_for(lambda: seen("task-started", uuid=task_id, hostname=holder), 15,
+                 "task-started")
+        wait_for(lambda: seen("task-succeeded", uuid=task_id, hostname=holder), 15,
+                 "task-succeeded")
+        wait_for(lambda: seen("worker-offline", hostname=holder), 15, "worker-offline")
+    finally:
+        stop.set()
+        listener.join(10)

@@ -1,0 +1,133 @@
+"""``pulsegw://``: the broker of a gateway worker, as a kombu virtual transport.
+
+Deliveries are the ``task.assign`` frames the worker's gateway client received: each is
+already reserved in the store for this instance, and acknowledged to the real broker by
+the gateway. So acknowledging here is kombu's bookkeeping only, giving a delivery back
+keeps it in this process (its lease at the gateway decides), and nothing can be
+published: a gateway worker holds no broker credentials (``self.retry()``, canvas and
+``apply_async`` from a task fail with a clear error; docs/gateway.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue as queue_module
+import uuid
+from typing import Any
+
+from kombu.transport import virtual
+
+from celery_pulse.errors import PulseError
+
+#: How often the worker's loop looks for an assignment (the client fills a queue).
+POLLING_INTERVAL = 0.005
+
+
+class NoPublishing(PulseError):
+    """A gateway worker can't publish: it has no broker (retry, canvas and apply_async
+    from a task need a direct worker)."""
+
+
+class Channel(virtual.Channel):
+    do_restore = False
+    supports_fanout = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._returned: collections.deque[dict[str, Any]] = collections.deque()
+
+    def _client(self) -> Any:
+        from celery_pulse.gateway.worker import client_for
+
+        url = self.connection.client.transport_options.get("gateway_url")
+        return client_for(url) if url else None
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        client = self._client()
+        if client is None or queue != client.queue_id:
+            raise queue_module.Empty()
+        if self._returned:
+            return self._returned.popleft()
+        assigned = client.assignments.get_nowait()  # Empty when there is none
+        task = assigned.message
+        properties = dict(task.get("properties") or {})
+        properties.update(body_encoding="base64", delivery_tag=uuid.uuid4().hex,
+                          delivery_info={**dict(task.get("delivery_info") or {}),
+                                         "exchange": "", "routing_key": queue})
+        from celery_pulse.gateway.worker import EPOCH_HEADER
+
+        return {"body": task["body"], "content-type": task["content_type"],
+                "content-encoding": task["content_encoding"],
+                "headers": {**dict(task.get("headers") or {}),
+                            EPOCH_HEADER: assigned.ref["epoch"]},
+                "properties": properties}
+
+    def _restore(self, message: Any) -> None:
+        """Given back (a pause, a reject with requeue): kept here, first in line."""
+        self._returned.appendleft(message.serializable())
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        raise NoPublishing()
+
+    def _size(self, queue: str) -> int:
+        client = self._client()
+        if client is None or queue != client.queue_id:
+            return 0
+        return int(client.assignments.qsize()) + len(self._returned)
+
+    def _purge(self, queue: str) -> int:
+        return 0
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return True
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        return None
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def _queue_bind(self, *args: Any) -> None:
+        return None
+
+
+class Transport(virtual.Transport):
+    """On the worker's event loop (asynchronous, so the pulse pool runs its hub path):
+    the client's wake-up pipe is a reader, and every assignment waiting is delivered as
+    soon as it is readable; a timer picks up deliveries given back meanwhile."""
+
+    Channel = Channel
+    state = virtual.BrokerState()
+    driver_type = "pulsegw"
+    driver_name = "pulsegw"
+    polling_interval = POLLING_INTERVAL
+    implements = virtual.Transport.implements.extend(asynchronous=True)
+
+    def driver_version(self) -> str:
+        return "1"
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        from celery_pulse.gateway.worker import client_for
+
+        options = getattr(self.client, "transport_options", None) or {}
+        url = options.get("gateway_url")
+        client = client_for(url) if url else None
+        if client is None:
+            return
+        fd = client.wakeup_fd()
+        loop.add_reader(fd, self._on_readable, connection, fd)
+        loop.call_repeatedly(0.1, self._deliver_waiting, connection)
+
+    def _on_readable(self, connection: Any, fd: int) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(fd, 4096)
+        self._deliver_waiting(connection)
+
+    def _deliver_waiting(self, connection: Any) -> None:
+        while True:
+            try:
+                self.drain_events(connection, timeout=0)
+            except (queue_module.Empty, TimeoutError):
+                return

@@ -1,0 +1,269 @@
+"""A ``celery worker -P pulse`` that talks only to a lease gateway (``pulse_gateway_url``).
+
+The worker's lease machinery stays what it is (the keeper, its deadlines, ``LeaseLost``,
+the hard stop); only its store and its broker are the gateway:
+
+* :class:`GatewayStore` is the store the keeper and the registry talk to. A reservation
+  is the grant the gateway made when it assigned the task (it reserved the delivery
+  before the broker was acknowledged); a start, a renewal and a completion are
+  ``task.start``, ``task.renew`` and ``task.finish``. A reservation not started yet is
+  reported *busy* on renewal: still valid, not extended (the gateway renews only started
+  attempts), so its local deadline is the reservation's and it is dropped, never run,
+  once that passes.
+* The broker is :mod:`celery_pulse.gateway.transport` (``pulsegw://``): deliveries are
+  the ``task.assign`` frames; acknowledging is a no-op (the gateway did it); nothing can
+  be published.
+* What needs the database or the broker is off: Recover, the beat, retention,
+  concurrency permits, remote control, events (docs/gateway.md lists it).
+
+The keeper's lease TTL is the gateway's lease duration (``lease_duration_ms``), never
+longer: a local deadline must end before the store could give the task to anyone else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
+from celery_pulse.gateway.client import Assigned, GatewayClient
+from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.settings import Settings
+from celery_pulse.store.base import (
+    FAILED,
+    NEEDS_REVIEW,
+    REVOKED,
+    SUCCEEDED,
+    ClaimStore,
+    Completion,
+    Grant,
+    Heartbeat,
+    PermitSignals,
+    Refusal,
+    Registration,
+    RegistryStore,
+    ReserveRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Claim outcomes as the protocol's, with the error code a failure carries.
+OUTCOMES = {SUCCEEDED: ("SUCCEEDED", None), FAILED: ("FAILED", "celery.failure"),
+            REVOKED: ("FAILED", "celery.revoked"), NEEDS_REVIEW: ("UNKNOWN", "celery.unknown")}
+#: The gateway's dispositions as the store's completion answers.
+ANSWERS = {"APPLIED": "applied", "DUPLICATE": "duplicate", "EVIDENCE_ONLY": "evidence"}
+
+#: The header the transport puts the assignment's epoch in: which grant a delivery is.
+EPOCH_HEADER = "pulse_gateway_epoch"
+
+_clients: dict[str, GatewayClient] = {}
+_clients_lock = threading.Lock()
+
+
+def credentials_token(path: str) -> str:
+    """The token in a credentials file (``celery pulse credentials create --output``)."""
+    try:
+        with open(path) as fh:
+            token = json.load(fh)["token"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidConfig(f"pulse_gateway_credentials: cannot read a token from {path!r} "
+                            f"({exc})", setting="pulse_gateway_credentials") from None
+    if not isinstance(token, str):
+        raise InvalidConfig(f"pulse_gateway_credentials: {path!r} holds no token",
+                            setting="pulse_gateway_credentials")
+    return token
+
+
+def connect_worker(settings: Settings, queue: str, capacity: int, handlers: Sequence[str]
+                   ) -> GatewayClient:
+    """This process's gateway client (one per URL, shared with the transport), started."""
+    assert settings.gateway_url is not None and settings.gateway_credentials is not None
+    with _clients_lock:
+        client = _clients.get(settings.gateway_url)
+        if client is not None:
+            return client
+        context = ssl.create_default_context(cafile=settings.gateway_ca)
+        client = GatewayClient(
+            settings.gateway_url, credentials_token(settings.gateway_credentials),
+            queue_id=queue, capacity=capacity,
+            capabilities=[{"handler": name, "handler_version": "1", "payload_version": "1"}
+                          for name in sorted(handlers)[:32]] or [
+                {"handler": "celery", "handler_version": "1", "payload_version": "1"}],
+            ssl_context=context if settings.gateway_url.startswith("wss:") else None)
+        try:
+            client.start()
+        except ProtocolError as exc:
+            client.close()
+            if exc.code in (Code.UNAUTHENTICATED, Code.FORBIDDEN):
+                raise InvalidConfig(f"pulse_gateway_credentials: the gateway refused them "
+                                    f"for queue {queue!r}: {exc.code}: {exc.message}",
+                                    setting="pulse_gateway_credentials") from None
+            raise StoreUnavailable(f"pulse_gateway_url: the gateway at "
+                                   f"{settings.gateway_url} answered {exc.code}") from None
+        except Exception as exc:  # TLS, DNS, refused connection, handshake
+            client.close()
+            raise StoreUnavailable(f"pulse_gateway_url: cannot reach the gateway at "
+                                   f"{settings.gateway_url}: {exc}") from None
+        _clients[settings.gateway_url] = client
+        return client
+
+
+def client_for(url: str) -> GatewayClient | None:
+    with _clients_lock:
+        return _clients.get(url)
+
+
+class GatewayStore(RegistryStore, ClaimStore):
+    """The store a gateway worker's keeper and registry use (see the module's rules)."""
+
+    def __init__(self, client: GatewayClient, url: str) -> None:
+        self.client = client
+        self.url = url
+
+    def _find(self, task_id: str, epoch: int, token: str) -> Assigned | None:
+        found = self.client.assigned_for(task_id, epoch)
+        if found is None or not hmac.compare_digest(found.ref["lease_secret"], token):
+            return None
+        return found
+
+    def _forget(self, task_id: str, epoch: int) -> None:
+        found = self.client.assigned_for(task_id, epoch)
+        if found is not None:
+            self.client.forget(found.ref)
+
+    # -- the registry: the session stands for it ---------------------------------------
+    def now(self) -> float:
+        raise NotImplementedError("a gateway worker has no store clock")
+
+    def check_schema(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None  # the transport's connection closes the client
+
+    def register(self, worker_id: str, labels: Mapping[str, Any], ttl: float, *,
+                 replace_live: bool = True) -> Registration:
+        return Registration(worker_id, "gateway-session", time.time() + ttl)
+
+    def heartbeat(self, worker_id: str, token: str, ttl: float) -> Heartbeat:
+        if self.client.fatal is not None:
+            raise NotRegistered(f"{worker_id}: the gateway ended this worker "
+                                f"({self.client.fatal})", reason=NotRegistered.REPLACED)
+        return Heartbeat(time.time() + ttl, self.client.draining)
+
+    def deregister(self, worker_id: str, token: str) -> bool:
+        return True
+
+    def list_workers(self) -> list[Any]:
+        return []
+
+    def set_drain(self, worker_id: str, draining: bool, who: str) -> None:
+        raise NotImplementedError
+
+    # -- claims ------------------------------------------------------------------------
+    def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
+                ) -> list[Grant | Refusal]:
+        out: list[Grant | Refusal] = []
+        for request in requests:
+            epoch = int((request.message.headers or {}).get(EPOCH_HEADER) or 0)
+            a = self.client.assigned_for(request.task_id, epoch)
+            if a is None:
+                out.append(Refusal(request.task_id, "taken", "unknown", None, 0, 0))
+                continue
+            # The gateway reserved it for this instance; the lease it reports is the
+            # store's (the keeper's deadline counts from this call, on its own clock,
+            # and a start refused later costs nothing: never run).
+            out.append(Grant(a.task_id, int(a.ref["epoch"]), a.ref["lease_secret"],
+                             0.0, 1))
+        return out
+
+    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float,
+                   permits: Mapping[str, Sequence[Any]] | None = None,
+                   waiting: set[str] | None = None) -> dict[str, float]:
+        started: dict[str, float] = {}
+        for task_id, epoch, token in leases:
+            assigned = self._find(task_id, epoch, token)
+            if assigned is None:
+                continue
+            try:
+                answer = self.client.start_task(assigned)
+            except ProtocolError as exc:
+                self._raise_if_unavailable(exc)
+                continue  # refused: lost (its finish, if any, is evidence)
+            if answer.active:
+                started[task_id] = 0.0
+        return started
+
+    def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+              ) -> tuple[set[str], set[str]]:
+        renewed: set[str] = set()
+        busy: set[str] = set()
+        for task_id, epoch, token in leases:
+            assigned = self._find(task_id, epoch, token)
+            if assigned is None:
+                continue
+            try:
+                answer = self.client.renew(assigned)
+            except ProtocolError as exc:
+                self._raise_if_unavailable(exc)
+                if exc.code == Code.STATE_CONFLICT:  # not started: valid, not extended
+                    busy.add(task_id)
+                continue  # else lost
+            if answer.active:
+                renewed.add(task_id)
+        return renewed, busy
+
+    def complete(self, holder: str, completions: Sequence[Completion],
+                 counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for c in completions:
+            assigned = self._find(c.task_id, c.epoch, c.token)
+            if assigned is None:
+                out[c.task_id] = "evidence"
+                continue
+            outcome, code = OUTCOMES.get(c.outcome, ("FAILED", "celery.retry_unsupported"))
+            result: Any = {"error": (c.error or "")[:2000]}
+            if c.result is not None and c.result.value is not None:
+                result = {"celery_meta": json.loads(c.result.value)}
+            try:
+                answer = self.client.finish(assigned, outcome, result, code)
+            except ProtocolError as exc:
+                self._raise_if_unavailable(exc)
+                out[c.task_id] = "evidence"
+            else:
+                out[c.task_id] = ANSWERS.get(answer.disposition or "", "evidence")
+            self._forget(c.task_id, c.epoch)
+        return out
+
+    def release(self, holder: str, leases: Sequence[tuple[str, int, str]], *,
+                never_ran: bool = False) -> int:
+        # No protocol operation gives a lease back: it expires at the gateway, and
+        # Recover (there, or in any direct worker) re-dispatches it.
+        for task_id, epoch, _ in leases:
+            self._forget(task_id, epoch)
+        return 0
+
+    def permit_signals(self) -> AbstractContextManager[PermitSignals] | None:
+        return None
+
+    def purge_finished(self, older_than: float, limit: int = 500) -> int:
+        return 0
+
+    def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
+                    ) -> list[Any]:
+        return []
+
+    def claim_counts(self) -> dict[str, int]:
+        return {}
+
+    @staticmethod
+    def _raise_if_unavailable(exc: ProtocolError) -> None:
+        if exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
+            raise StoreUnavailable(f"the gateway could not answer: {exc.message}") from exc
