@@ -300,7 +300,13 @@ class Gateway:
                 continue
             self._links[session.session_id] = link
             self._holders[instance.instance_id] = holder_name(credential, instance.instance_id)
-            body = await self._welcome(instance, session)
+            try:
+                body = await self._welcome(instance, session)
+            except ProtocolError as exc:  # the store is out of reach: no session yet
+                instance.close(session)
+                self._links.pop(session.session_id, None)
+                exc.reply_to = frame.message_id
+                raise _Closing(CloseCode.TRY_AGAIN_LATER, exc.code, exc) from None
             link.send(Frame("worker.welcome", frames.new_id(), body, session.session_id,
                             frame.message_id))
             if self.presence is not None:
