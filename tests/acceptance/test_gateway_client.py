@@ -3,7 +3,7 @@
 (a TCP proxy between them drops it; the worker side lives on): the client reconnects,
 resumes, and the task finishes once, including when a finish's ACK was lost.
 
-RabbitMQ, a PostgreSQL store, TLS checked end to end through the proxy.
+RabbitMQ, a PostgreSQL gateway_store, TLS checked end to end through the proxy.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.gateway.client import GatewayClient
 from celery_pulse.gateway.frames import ProtocolError
-from celery_pulse.store.sql import SqlStore, open_store
-from tests.helpers.gateway import GatewayProcess
+from celery_pulse.store.sql import SqlStore
+from tests.helpers.gateway import claim_of, evidence_of
 from tests.helpers.proxy import Proxy
 from tests.helpers.workers import Env
 
@@ -35,29 +34,6 @@ def env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
                                            "pulse_recover_interval": 0.5})
     made.app = "tests.apps.opsapp"
     return made
-
-
-@pytest.fixture
-def client_app(env: Env) -> Iterator[Celery]:
-    app = Celery("publisher", broker=env.broker_url, backend="pulse+" + env.store_url,
-                 set_as_current=False)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def store(env: Env) -> Iterator[SqlStore]:
-    opened = open_store(env.store_url)
-    yield opened
-    opened.close()
-
-
-@pytest.fixture
-def proxy(gateway: GatewayProcess) -> Iterator[Proxy]:
-    port = int(gateway.url.rsplit(":", 1)[1].split("/", 1)[0])
-    made = Proxy(port)
-    yield made
-    made.close()
 
 
 @pytest.fixture
@@ -78,21 +54,8 @@ def make_client(env: Env, tokens: dict[str, str], proxy: Proxy,
         client.close()
 
 
-def _claim(store: SqlStore, task_id: str) -> Any:
-    [claim] = [c for c in store.list_claims() if c.task_id == task_id]
-    return claim
-
-
-def _evidence(store: SqlStore, task_id: str) -> int:
-    with store.engine.connect() as conn:
-        count: int = conn.execute(sa.text(
-            "SELECT count(*) FROM pulse_evidence WHERE task_id = :t"), {"t": task_id}
-        ).scalar_one()
-    return count
-
-
 def test_tasks_run_end_to_end_through_the_client(
-        env: Env, client_app: Celery, store: SqlStore,
+        env: Env, client_app: Celery, gateway_store: SqlStore,
         make_client: Callable[..., GatewayClient]) -> None:
     client = make_client(capacity=3)
     ids = [client_app.send_task("opsapp.noop", queue=env.queue).id for _ in range(6)]
@@ -104,12 +67,12 @@ def test_tasks_run_end_to_end_through_the_client(
         done = client.finish(assigned, "SUCCEEDED", {"id": assigned.task_id})
         assert done.disposition == "APPLIED" and not done.active
     for task_id in ids:
-        assert _claim(store, task_id).state == "succeeded"
+        assert claim_of(gateway_store, task_id).state == "succeeded"
         assert AsyncResult(task_id, app=client_app).get(timeout=10) == {"id": task_id}
 
 
 def test_a_cut_connection_mid_task_is_resumed_and_the_task_finishes_once(
-        env: Env, client_app: Celery, store: SqlStore, proxy: Proxy,
+        env: Env, client_app: Celery, gateway_store: SqlStore, proxy: Proxy,
         make_client: Callable[..., GatewayClient]) -> None:
     client = make_client(capacity=1)
     task_id = client_app.send_task("opsapp.noop", queue=env.queue).id
@@ -125,13 +88,13 @@ def test_a_cut_connection_mid_task_is_resumed_and_the_task_finishes_once(
     assert renewed.deadline > first.deadline
     done = client.finish(assigned, "SUCCEEDED", "once")
     assert done.disposition == "APPLIED"
-    assert _claim(store, task_id).state == "succeeded"
-    assert _evidence(store, task_id) == 0
+    assert claim_of(gateway_store, task_id).state == "succeeded"
+    assert evidence_of(gateway_store, task_id) == []
     assert AsyncResult(task_id, app=client_app).get(timeout=10) == "once"
 
 
 def test_a_finish_whose_ack_was_lost_is_sent_again_and_settles_once(
-        env: Env, client_app: Celery, store: SqlStore, proxy: Proxy,
+        env: Env, client_app: Celery, gateway_store: SqlStore, proxy: Proxy,
         make_client: Callable[..., GatewayClient]) -> None:
     client = make_client(capacity=1)
     task_id = client_app.send_task("opsapp.noop", queue=env.queue).id
@@ -144,8 +107,8 @@ def test_a_finish_whose_ack_was_lost_is_sent_again_and_settles_once(
     assert cutter.wait(10), "the finish was never sent"
     assert done.disposition == "APPLIED", done.body  # the original receipt, or applied now
     assert client.reconnects >= 1
-    assert _claim(store, task_id).state == "succeeded"
-    assert _evidence(store, task_id) == 0
+    assert claim_of(gateway_store, task_id).state == "succeeded"
+    assert evidence_of(gateway_store, task_id) == []
 
 
 def test_a_revoked_credential_ends_the_client(

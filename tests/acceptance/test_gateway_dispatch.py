@@ -14,7 +14,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,8 +22,8 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_pulse.store.sql import SqlStore, open_store
-from tests.helpers.gateway import GatewayProcess, Peer, hello_body
+from celery_pulse.store.sql import SqlStore
+from tests.helpers.gateway import GatewayProcess, Peer, claim_of, hello_body
 from tests.helpers.workers import Env, wait_for
 
 TTL = 3.0
@@ -36,21 +36,6 @@ def env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
         "task_default_queue": "unused"})
     made.app = "tests.apps.opsapp"
     return made
-
-
-@pytest.fixture
-def client(env: Env) -> Iterator[Celery]:
-    app = Celery("publisher", broker=env.broker_url, backend="pulse+" + env.store_url,
-                 set_as_current=False)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def store(env: Env) -> Iterator[SqlStore]:
-    opened = open_store(env.store_url)
-    yield opened
-    opened.close()
 
 
 def _publish(client: Celery, env: Env, name: str = "opsapp.noop") -> str:
@@ -75,15 +60,10 @@ def _ref(assign: dict[str, Any]) -> dict[str, str]:
     return {k: body[k] for k in ("task_id", "attempt_id", "epoch", "lease_secret")}
 
 
-def _claim(store: SqlStore, task_id: str) -> Any:
-    [claim] = [c for c in store.list_claims() if c.task_id == task_id]
-    return claim
-
-
-def test_a_task_runs_through_the_gateway(env: Env, client: Celery, store: SqlStore,
+def test_a_task_runs_through_the_gateway(env: Env, client_app: Celery, gateway_store: SqlStore,
                                          open_peer: Callable[..., Peer]) -> None:
     peer = _worker(open_peer, env, capacity=2)
-    task_id = _publish(client, env)
+    task_id = _publish(client_app, env)
     assign = peer.assignment()
     body = assign["body"]
     assert assign.get("reply_to") is None and assign["session_id"] == peer.session_id
@@ -91,7 +71,7 @@ def test_a_task_runs_through_the_gateway(env: Env, client: Celery, store: SqlSto
     assert body["task_id"] == task_id.replace("-", "") and body["epoch"] == "1"
     assert body["server_time"] < body["lease_until"]
     # Reserved in the store before the broker was acknowledged: the claim row owns it.
-    claim = _claim(store, task_id)
+    claim = claim_of(gateway_store, task_id)
     assert claim.state == "reserved" and claim.holder.startswith("gw:runner:")
 
     started = peer.call("task.start", _ref(assign))
@@ -99,7 +79,7 @@ def test_a_task_runs_through_the_gateway(env: Env, client: Celery, store: SqlSto
     assert started["body"]["receipt"]["disposition"] == "APPLIED"
     assert started["body"]["lease"]["active"] is True
     assert started["body"]["lease"]["state"] == "RUNNING"
-    assert _claim(store, task_id).state == "running"
+    assert claim_of(gateway_store, task_id).state == "running"
     renewed = peer.call("task.renew", _ref(assign))
     assert renewed["body"]["receipt"]["operation"] == "renew"
     assert renewed["body"]["lease"]["active"] is True
@@ -109,8 +89,8 @@ def test_a_task_runs_through_the_gateway(env: Env, client: Celery, store: SqlSto
     done = peer.call("task.finish", finish, message_id=finish_id)
     assert done["body"]["receipt"]["disposition"] == "APPLIED", done
     assert done["body"]["lease"]["active"] is False
-    assert _claim(store, task_id).state == "succeeded"
-    assert AsyncResult(task_id, app=client).get(timeout=10) == {"answer": 42}
+    assert claim_of(gateway_store, task_id).state == "succeeded"
+    assert AsyncResult(task_id, app=client_app).get(timeout=10) == {"answer": 42}
     # The finish again (its ACK lost, say): the original receipt, deduplicated.
     again = peer.call("task.finish", finish, message_id=finish_id)
     assert again["body"]["deduplicated"] is True
@@ -122,19 +102,19 @@ def test_a_task_runs_through_the_gateway(env: Env, client: Celery, store: SqlSto
 
 
 def test_dispatch_stays_within_the_declared_capacity(
-        env: Env, client: Celery, store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
     peer = _worker(open_peer, env, capacity=1)
-    ids = [_publish(client, env) for _ in range(3)]
+    ids = [_publish(client_app, env) for _ in range(3)]
     first = peer.assignment()
     with pytest.raises(TimeoutError):
         peer.assignment(timeout=2)  # one slot, one attempt held
-    reserved = [c for c in store.list_claims() if c.task_id in ids]
+    reserved = [c for c in gateway_store.list_claims() if c.task_id in ids]
     assert len(reserved) == 1  # the others stay with the broker
     assert peer.call("task.start", _ref(first))["type"] == "ack"
     assert peer.call("task.finish", {"ref": _ref(first), "outcome": "FAILED",
                                      "result": {"why": "no"}, "error_code": "E_NO"}
                      )["body"]["receipt"]["disposition"] == "APPLIED"
-    assert _claim(store, first["body"]["task"]["id"]).state == "failed"
+    assert claim_of(gateway_store, first["body"]["task"]["id"]).state == "failed"
     second = peer.assignment()
     assert second["body"]["task"]["id"] != first["body"]["task"]["id"]
     # Draining: nothing more is assigned; the last task stays in the broker.
@@ -145,37 +125,37 @@ def test_dispatch_stays_within_the_declared_capacity(
                                      "result": 1})["type"] == "ack"
     with pytest.raises(TimeoutError):
         peer.assignment(timeout=2)
-    assert len([c for c in store.list_claims() if c.task_id in ids]) == 2
+    assert len([c for c in gateway_store.list_claims() if c.task_id in ids]) == 2
 
 
 def test_a_lost_lease_makes_the_late_finish_evidence_only(
-        env: Env, client: Celery, store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
     peer = _worker(open_peer, env, capacity=1)
-    task_id = _publish(client, env)
+    task_id = _publish(client_app, env)
     assign = peer.assignment()
     assert peer.call("task.start", _ref(assign))["body"]["lease"]["active"] is True
     # No renewal: the lease expires by the store clock and the gateway's Recover takes
     # the claim (started, not idempotent: needs review).
-    wait_for(lambda: _claim(store, task_id).state == "needs_review", 30,
+    wait_for(lambda: claim_of(gateway_store, task_id).state == "needs_review", 30,
              "Recover to send the started task to review")
     late = peer.call("task.finish", {"ref": _ref(assign), "outcome": "SUCCEEDED",
                                      "result": "late"})
     assert late["body"]["receipt"]["disposition"] == "EVIDENCE_ONLY", late
     assert late["body"]["lease"]["active"] is False
-    assert _claim(store, task_id).state == "needs_review"  # the store's verdict stands
-    with store.engine.connect() as conn:
+    assert claim_of(gateway_store, task_id).state == "needs_review"  # the store's verdict stands
+    with gateway_store.engine.connect() as conn:
         rows = conn.execute(sa.text(
             "SELECT holder, outcome FROM pulse_evidence WHERE task_id = :t"), {"t": task_id}
         ).all()
     assert [(r.holder.startswith("gw:runner:"), r.outcome) for r in rows] == [
         (True, "succeeded")]
-    assert AsyncResult(task_id, app=client).state == "PENDING"  # no stale result written
+    assert AsyncResult(task_id, app=client_app).state == "PENDING"  # no stale result written
 
 
 def test_a_reservation_never_started_is_dispatched_again(
-        env: Env, client: Celery, store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
     peer = _worker(open_peer, env, capacity=2)
-    task_id = _publish(client, env)
+    task_id = _publish(client_app, env)
     first = peer.assignment()
     # Never started: once the lease expires, Recover re-publishes it and it comes back
     # under a new epoch and a new attempt id; the old attempt can no longer start.
@@ -188,10 +168,10 @@ def test_a_reservation_never_started_is_dispatched_again(
 
 
 def test_a_reconnect_resumes_a_running_attempt_and_finishes_it_once(
-        env: Env, client: Celery, store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
     hello = hello_body(queue=env.queue, capacity=1)
     peer = _worker(open_peer, env, capacity=1, hello=hello)
-    task_id = _publish(client, env)
+    task_id = _publish(client_app, env)
     assign = peer.assignment()
     assert peer.call("task.start", _ref(assign))["type"] == "ack"
     # The finish is sent, then the connection drops before its ACK is read.
@@ -209,18 +189,18 @@ def test_a_reconnect_resumes_a_running_attempt_and_finishes_it_once(
     settled = back.call("task.finish", finish, message_id=finish_id)
     assert settled["type"] == "ack", settled
     assert settled["body"]["receipt"]["disposition"] == "APPLIED"
-    assert _claim(store, task_id).state == "succeeded"
-    assert AsyncResult(task_id, app=client).get(timeout=10) == "once"
-    with store.engine.connect() as conn:
+    assert claim_of(gateway_store, task_id).state == "succeeded"
+    assert AsyncResult(task_id, app=client_app).get(timeout=10) == "once"
+    with gateway_store.engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM pulse_evidence WHERE task_id = :t"),
                             {"t": task_id}).scalar_one() == 0
 
 
 def test_resume_reports_the_lease_without_extending_it(
-        env: Env, client: Celery, store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
     hello = hello_body(queue=env.queue, capacity=1)
     peer = _worker(open_peer, env, capacity=1, hello=hello)
-    _publish(client, env)
+    _publish(client_app, env)
     assign = peer.assignment()
     started = peer.call("task.start", _ref(assign))
     peer.conn.close()
@@ -238,9 +218,9 @@ def test_resume_reports_the_lease_without_extending_it(
 
 
 def test_gateway_workers_are_listed_beside_direct_ones(
-        env: Env, store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+        env: Env, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
     # A direct worker's registration, as a -P pulse worker makes it (no "via" label).
-    store.register("direct@host", {"pool": "pulse", "queues": [env.queue]}, 60.0)
+    gateway_store.register("direct@host", {"pool": "pulse", "queues": [env.queue]}, 60.0)
     hello = hello_body(queue=env.queue, capacity=3)
     name = f"gw:runner:{hello['instance_id']}"
 
@@ -289,14 +269,14 @@ def test_gateway_workers_are_listed_beside_direct_ones(
 
 
 def test_a_slow_consumer_is_disconnected_and_loses_nothing(
-        env: Env, client: Celery, store: SqlStore, gateway: GatewayProcess,
+        env: Env, client_app: Celery, gateway_store: SqlStore, gateway: GatewayProcess,
         open_peer: Callable[..., Peer]) -> None:
     """A worker that stops reading: its gateway's writes block, the write deadline (5 s)
-    ends the connection; what the gateway reserved for it is in the store, expires and
+    ends the connection; what the gateway reserved for it is in the gateway_store, expires and
     is re-dispatched: another worker receives every task."""
     count, pad = 48, "x" * 300_000  # ~400 KB a frame: the socket buffers fill
     slow = _worker(open_peer, env, capacity=count)
-    ids = {client.send_task("opsapp.noop", (pad,), queue=env.queue).id for _ in range(count)}
+    ids = {client_app.send_task("opsapp.noop", (pad,), queue=env.queue).id for _ in range(count)}
     wait_for(lambda: "write did not complete" in gateway.log(), 60,
              "the gateway to drop the worker that doesn't read")
     del slow  # never read from: closed by its fixture
@@ -310,15 +290,15 @@ def test_a_slow_consumer_is_disconnected_and_loses_nothing(
 
 
 def test_flower_sees_gateway_workers_through_the_gateways_events(
-        env: Env, client: Celery, open_peer: Callable[..., Peer]) -> None:
+        env: Env, client_app: Celery, open_peer: Callable[..., Peer]) -> None:
     """Celery events, sent by the gateway for its workers (what Flower and ``celery
     events`` read): online/offline under the holder name, task started and succeeded."""
     events: list[dict[str, Any]] = []
     ready, stop = threading.Event(), threading.Event()
 
     def listen() -> None:
-        with client.connection_for_read() as conn:
-            receiver = client.events.Receiver(conn, handlers={"*": events.append})
+        with client_app.connection_for_read() as conn:
+            receiver = client_app.events.Receiver(conn, handlers={"*": events.append})
             receiver.on_consume_ready = lambda *_a, **_k: ready.set()
             receiver.should_stop = False
             threading.Thread(target=lambda: (stop.wait(), setattr(
@@ -330,7 +310,7 @@ def test_flower_sees_gateway_workers_through_the_gateways_events(
     assert ready.wait(15), "the event receiver did not start"
     try:
         peer = _worker(open_peer, env, capacity=1)
-        task_id = _publish(client, env)
+        task_id = _publish(client_app, env)
         assign = peer.assignment()
         assert peer.call("task.start", _ref(assign))["type"] == "ack"
         assert peer.call("task.finish", {"ref": _ref(assign), "outcome": "SUCCEEDED",

@@ -12,17 +12,15 @@ import json
 import os
 import signal
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_pulse.store.sql import SqlStore, open_store
-from tests.helpers.gateway import GatewayProcess
+from celery_pulse.store.sql import SqlStore
+from tests.helpers.gateway import GatewayProcess, claim_of, evidence_of
 from tests.helpers.proxy import Proxy
 from tests.helpers.workers import Env, Worker, wait_for
 
@@ -33,28 +31,6 @@ def env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
                                            "pulse_recover_interval": 0.5})
     made.app = "tests.apps.opsapp"
     return made
-
-
-@pytest.fixture
-def client_app(env: Env) -> Iterator[Celery]:
-    app = Celery("publisher", broker=env.broker_url, backend="pulse+" + env.store_url,
-                 set_as_current=False)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def store(env: Env) -> Iterator[SqlStore]:
-    opened = open_store(env.store_url)
-    yield opened
-    opened.close()
-
-
-@pytest.fixture
-def proxy(gateway: GatewayProcess) -> Iterator[Proxy]:
-    made = Proxy(int(gateway.url.rsplit(":", 1)[1].split("/", 1)[0]))
-    yield made
-    made.close()
 
 
 @pytest.fixture
@@ -80,13 +56,8 @@ def remote(env: Env, gateway: GatewayProcess, tokens: dict[str, str], proxy: Pro
     return start
 
 
-def _claim(store: SqlStore, task_id: str) -> Any:
-    [claim] = [c for c in store.list_claims() if c.task_id == task_id]
-    return claim
-
-
 def test_a_remote_worker_runs_tasks_with_gateway_credentials_only(
-        env: Env, client_app: Celery, store: SqlStore, remote: Callable[..., Worker]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, remote: Callable[..., Worker]) -> None:
     worker = remote("remote1@edge", concurrency=2).wait_ready(60)
     results = [client_app.send_task("gatewayapp.add", (i, 1), queue=env.queue)
                for i in range(8)]
@@ -95,35 +66,29 @@ def test_a_remote_worker_runs_tasks_with_gateway_credentials_only(
     assert all(v["epoch"] == 1 for v in values)  # current_lease() in the task
     assert len({v["pid"] for v in values}) == 2  # -c 2: both pool processes ran tasks
     for r in results:
-        claim = _claim(store, r.id)
+        claim = claim_of(gateway_store, r.id)
         assert claim.state == "succeeded" and claim.holder.startswith("gw:runner:")
     failed = client_app.send_task("gatewayapp.fail", ("nope",), queue=env.queue)
     with pytest.raises(ValueError, match="nope"):
         failed.get(timeout=30)
-    assert _claim(store, failed.id).state == "failed"
+    assert claim_of(gateway_store, failed.id).state == "failed"
     assert "Traceback" not in worker.log().split("gatewayapp.fail")[0]
 
 
 def test_a_killed_remote_workers_task_is_taken_over_by_recover(
-        env: Env, client_app: Celery, store: SqlStore, remote: Callable[..., Worker]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, remote: Callable[..., Worker]) -> None:
     worker = remote("remote2@edge", concurrency=1).wait_ready(60)
     marker = env.tmp / "held.txt"
     result = client_app.send_task("gatewayapp.hold", (60, str(marker)), queue=env.queue)
     wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
              "the task to start on the remote worker")
-    assert _claim(store, result.id).state == "running"
+    assert claim_of(gateway_store, result.id).state == "running"
     os.killpg(worker.pid, signal.SIGKILL)
     # Its claim expires by the store clock; the gateway's Recover takes it over (a started
     # task without acks_late: needs review), as for a direct worker.
-    wait_for(lambda: _claim(store, result.id).state == "needs_review", 30,
+    wait_for(lambda: claim_of(gateway_store, result.id).state == "needs_review", 30,
              "Recover to take the dead remote worker's task")
     assert AsyncResult(result.id, app=client_app).state == "PENDING"
-
-
-def _evidence(store: SqlStore, task_id: str) -> list[Any]:
-    with store.engine.connect() as conn:
-        return list(conn.execute(sa.text(
-            "SELECT holder, outcome FROM pulse_evidence WHERE task_id = :t"), {"t": task_id}))
 
 
 def test_a_queue_outside_the_credentials_scope_fails_the_start(
@@ -136,7 +101,7 @@ def test_a_queue_outside_the_credentials_scope_fails_the_start(
 
 
 def test_a_cut_gateway_connection_mid_task_is_resumed_and_the_task_finishes_once(
-        env: Env, client_app: Celery, store: SqlStore, proxy: Proxy,
+        env: Env, client_app: Celery, gateway_store: SqlStore, proxy: Proxy,
         remote: Callable[..., Worker]) -> None:
     worker = remote("remote4@edge", concurrency=1, through_proxy=True).wait_ready(60)
     marker = env.tmp / "cut.txt"
@@ -146,14 +111,14 @@ def test_a_cut_gateway_connection_mid_task_is_resumed_and_the_task_finishes_once
     assert proxy.cut() == 1  # the worker lives on; its connection doesn't
     assert result.get(timeout=30) == "held"
     assert proxy.connections >= 2  # it reconnected
-    assert _claim(store, result.id).state == "succeeded"
-    assert _evidence(store, result.id) == []
+    assert claim_of(gateway_store, result.id).state == "succeeded"
+    assert evidence_of(gateway_store, result.id) == []
     assert "lost" not in marker.read_text()
     assert "Traceback" not in worker.log()
 
 
 def test_a_paused_remote_workers_late_outcome_is_never_authoritative(
-        env: Env, client_app: Celery, store: SqlStore, remote: Callable[..., Worker]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, remote: Callable[..., Worker]) -> None:
     """Only the worker's main process is paused (its pool child finishes the body, the
     result waits in the pipe) past its lease; Recover takes the task over. On resuming,
     the worker's watchdog finds the lease past its local deadline and drops the outcome
@@ -167,17 +132,17 @@ def test_a_paused_remote_workers_late_outcome_is_never_authoritative(
              "the task to start")
     worker.signal_main(signal.SIGSTOP)
     try:
-        wait_for(lambda: _claim(store, result.id).state == "needs_review", 30,
+        wait_for(lambda: claim_of(gateway_store, result.id).state == "needs_review", 30,
                  "Recover to take the paused worker's task")
     finally:
         worker.signal_main(signal.SIGCONT)
     worker.wait_log(r"kept as evidence only|lease lost for task " + result.id, 30)
     if "kept as evidence only" in worker.log():
-        [row] = _evidence(store, result.id)
+        [row] = evidence_of(gateway_store, result.id)
         assert row.holder.startswith("gw:runner:") and row.outcome == "succeeded"
     else:
-        assert _evidence(store, result.id) == []
-    assert _claim(store, result.id).state == "needs_review"
+        assert evidence_of(gateway_store, result.id) == []
+    assert claim_of(gateway_store, result.id).state == "needs_review"
     assert AsyncResult(result.id, app=client_app).state == "PENDING"
 
 
@@ -196,10 +161,10 @@ def test_a_revoked_credential_stops_the_remote_worker(
 
 
 def test_a_task_that_needs_to_publish_fails_saying_why(
-        env: Env, client_app: Celery, store: SqlStore, remote: Callable[..., Worker]) -> None:
+        env: Env, client_app: Celery, gateway_store: SqlStore, remote: Callable[..., Worker]) -> None:
     worker = remote("remote7@edge", concurrency=1).wait_ready(60)
     result = client_app.send_task("gatewayapp.retrying", queue=env.queue)
     with pytest.raises(Exception, match="can't publish"):
         result.get(timeout=30)
-    assert _claim(store, result.id).state == "failed"
+    assert claim_of(gateway_store, result.id).state == "failed"
     assert worker.proc.poll() is None  # the worker carries on

@@ -20,11 +20,13 @@ from typing import Any
 
 import pytest
 import trustme
+from celery import Celery
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from celery_pulse.gateway.credentials import CONNECT, CONSUME
-from celery_pulse.store.sql import open_store
+from celery_pulse.store.sql import SqlStore, open_store
+from tests.helpers.proxy import Proxy
 from tests.helpers.workers import Env, wait_for
 
 QUEUE = "objects"
@@ -203,3 +205,42 @@ def joined(open_peer: Callable[..., Peer], **hello: Any) -> Peer:
     assert welcome["type"] == "worker.welcome", welcome
     peer.session_id = welcome["body"]["session_id"]
     return peer
+
+
+@pytest.fixture
+def client_app(env: Env) -> Iterator[Celery]:
+    """A plain Celery client on the test's broker, reading results from the store."""
+    app = Celery("publisher", broker=env.broker_url, backend="pulse+" + env.store_url,
+                 set_as_current=False)
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def gateway_store(env: Env) -> Iterator[SqlStore]:
+    opened = open_store(env.store_url)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def proxy(gateway: GatewayProcess) -> Iterator[Proxy]:
+    """A cuttable TCP proxy in front of the test's gateway."""
+    made = Proxy(int(gateway.url.rsplit(":", 1)[1].split("/", 1)[0]))
+    yield made
+    made.close()
+
+
+def claim_of(store: SqlStore, task_id: str) -> Any:
+    """The claim of ``task_id`` as the store has it now."""
+    [claim] = [c for c in store.list_claims() if c.task_id == task_id]
+    return claim
+
+
+def evidence_of(store: SqlStore, task_id: str) -> list[Any]:
+    """``(holder, outcome)`` of every late outcome kept for ``task_id``."""
+    import sqlalchemy as sa
+
+    with store.engine.connect() as conn:
+        return list(conn.execute(sa.text(
+            "SELECT holder, outcome FROM pulse_evidence WHERE task_id = :t"), {"t": task_id}))
