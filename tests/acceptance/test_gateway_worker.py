@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
@@ -168,3 +169,35 @@ def test_a_task_that_needs_to_publish_fails_saying_why(
         result.get(timeout=30)
     assert claim_of(gateway_store, result.id).state == "failed"
     assert worker.proc.poll() is None  # the worker carries on
+
+
+def _take_over(store: SqlStore, task_id: str) -> None:
+    """What another worker's Recover would do: a new epoch for someone else."""
+    with store.engine.begin() as conn:
+        done = conn.execute(sa.text(
+            "UPDATE pulse_claims SET epoch = epoch + 1, holder = 'thief', token = :t, "
+            "lease_until = lease_until + 60 WHERE task_id = :id AND state = 'running'"),
+            {"t": "f" * 32, "id": task_id}).rowcount
+    assert done == 1
+
+
+def test_a_task_ignoring_lease_lost_is_hard_stopped_and_the_remote_worker_goes_on(
+        env: Env, client_app: Celery, gateway_store: SqlStore,
+        remote: Callable[..., Worker]) -> None:
+    worker = remote("remote8@edge", concurrency=1).wait_ready(60)
+    marker = env.tmp / "stubborn.txt"
+    result = client_app.send_task("gatewayapp.stubborn", (str(marker), 60), queue=env.queue)
+    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
+             "the task to start")
+    pid = int(marker.read_text().split()[1])
+    _take_over(gateway_store, result.id)
+    # Its next renewal through the gateway is refused: LeaseLost, ignored, then the hard
+    # stop after pulse_revoke_grace (5 s) kills the pool process.
+    wait_for(lambda: "ignored" in marker.read_text(), 30, "LeaseLost in the task")
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the hard stop")
+    worker.wait_log(rf"task {result.id} epoch 1 ignored LeaseLost", 10)
+    assert "end" not in marker.read_text()
+    # The pool replaced the process: the worker serves the next task.
+    assert client_app.send_task("gatewayapp.add", (1, 2), queue=env.queue).get(
+        timeout=30)["sum"] == 3
+    assert claim_of(gateway_store, result.id).holder == "thief"  # untouched by the stale one

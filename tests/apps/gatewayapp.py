@@ -53,3 +53,19 @@ def hold(seconds: float, marker: str) -> str:
 def retrying(self: object) -> None:
     """A retry publishes: a gateway worker has no broker to publish to."""
     raise self.retry(countdown=0)  # type: ignore[attr-defined]
+
+
+@app.task(name="gatewayapp.stubborn")
+def stubborn(marker: str, seconds: float) -> None:
+    """Catches and ignores LeaseLost: only the hard stop can end it early."""
+    with open(marker, "a") as fh:
+        fh.write(f"start {os.getpid()}\n")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.05)
+        except LeaseLost:
+            with open(marker, "a") as fh:
+                fh.write("ignored\n")
+    with open(marker, "a") as fh:
+        fh.write("end\n")
