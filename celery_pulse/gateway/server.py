@@ -418,7 +418,6 @@ class Gateway:
             lease = await self._lease_now(instance, frame)
             return {"lease": lease, "deduplicated": False}
         sent = time.monotonic()
-        now = await self._store(self.now)
         if frame.type == "task.start":
             lease_until = await self._store(fenced.start, attempt)
             if lease_until is None:
@@ -430,11 +429,14 @@ class Gateway:
             if self.events is not None:
                 self._spawn(self.events.send("task-started", self._holders[instance.instance_id],
                                              uuid=attempt.task_id))
+            # The start's own statement time: its lease_until is that plus the lease.
+            now = lease_until - self.limits.lease_ttl
             return _command("start", "RUNNING", "RUNNING", attempt, lease_until, "APPLIED",
                             _lease(True, "RUNNING", lease_until, now))
         # task.renew: only a running attempt is renewed (the seed's rule).
         if attempt.state != RUNNING:
             raise ProtocolError(Code.STATE_CONFLICT, "only a started attempt is renewed")
+        now = await self._store(self.now)
         renewed = await self._store(fenced.renew, attempt)
         if renewed is False:
             attempt.state = FINISHED

@@ -33,21 +33,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import hmac
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from celery_pulse.gateway.credentials import digest
 from celery_pulse.gateway.frames import Code, Hello, ProtocolError, new_id
 
 #: Replies remembered per instance for deduplication.
 REPLIES_KEPT = 4096
-
-
-def _secret_digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,7 +58,7 @@ class Identity:
     @classmethod
     def of(cls, credential_id: str, hello: Hello) -> Identity:
         return cls(credential_id, hello.queue_id, hello.capabilities,
-                   _secret_digest(hello.instance_secret))
+                   digest(hello.instance_secret))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from typing import Any
 from kombu.transport import virtual
 
 from celery_pulse.errors import PulseError
+from celery_pulse.gateway.worker import EPOCH_HEADER, client_for
 
 #: How often the worker's loop looks for an assignment (the client fills a queue).
 POLLING_INTERVAL = 0.005
@@ -39,8 +40,6 @@ class Channel(virtual.Channel):
         self._returned: collections.deque[dict[str, Any]] = collections.deque()
 
     def _client(self) -> Any:
-        from celery_pulse.gateway.worker import client_for
-
         url = self.connection.client.transport_options.get("gateway_url")
         return client_for(url) if url else None
 
@@ -56,8 +55,6 @@ class Channel(virtual.Channel):
         properties.update(body_encoding="base64", delivery_tag=uuid.uuid4().hex,
                           delivery_info={**dict(task.get("delivery_info") or {}),
                                          "exchange": "", "routing_key": queue})
-        from celery_pulse.gateway.worker import EPOCH_HEADER
-
         return {"body": task["body"], "content-type": task["content_type"],
                 "content-encoding": task["content_encoding"],
                 "headers": {**dict(task.get("headers") or {}),
@@ -109,8 +106,6 @@ class Transport(virtual.Transport):
         return "1"
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
-        from celery_pulse.gateway.worker import client_for
-
         options = getattr(self.client, "transport_options", None) or {}
         url = options.get("gateway_url")
         client = client_for(url) if url else None
