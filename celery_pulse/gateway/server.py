@@ -720,7 +720,18 @@ class _suppress_closing:
 
 
 def server_ssl_context(certfile: str, keyfile: str | None) -> ssl.SSLContext:
-    """TLS for the gateway (``ssl`` module defaults: TLS 1.2+, no compression)."""
+    """TLS for the gateway (``ssl`` module defaults: TLS 1.2+, no compression), issuing
+    no TLS 1.3 session tickets.
+
+    A TLS 1.3 server sends its tickets just after the handshake, while the worker is
+    sending its upgrade request. A threaded client (websockets' sync client, which
+    :class:`~celery_pulse.gateway.client.GatewayClient` is) reads them in one thread
+    while it writes in another, and an OpenSSL connection is not safe for both at once:
+    now and then the request is lost and the handshake times out (reproduced here about
+    once in a few hundred connections). Workers reconnect rarely, so resumption buys
+    nothing worth that.
+    """
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certfile, keyfile)
+    context.num_tickets = 0
     return context

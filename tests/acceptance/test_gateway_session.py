@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import socket
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +69,25 @@ def test_the_handshake_takes_a_bearer_credential_only(
     peer = open_peer()
     assert peer.conn.subprotocol == SUBPROTOCOL
     assert peer.conn.response.headers.get("Sec-WebSocket-Extensions") is None  # no compression
+
+
+def test_the_gateway_issues_no_tls_session_tickets(
+        gateway: GatewayProcess, tls: tuple[Path, Path, ssl.SSLContext]) -> None:
+    """TLS 1.3 tickets arrive while a threaded client writes its upgrade request; OpenSSL
+    can lose that request (the handshake then times out), so the gateway sends none."""
+    port = int(gateway.url.rsplit(":", 1)[1].split("/", 1)[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as raw, \
+            tls[2].wrap_socket(raw, server_hostname="localhost") as conn:
+        assert conn.version() == "TLSv1.3"  # where tickets come after the handshake
+        conn.sendall(b"GET /v1/worker/connect HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     b"Sec-WebSocket-Version: 13\r\n\r\n")
+        response = b""
+        while chunk := conn.recv(65536):  # every record the server sent, to its close
+            response += chunk
+        assert response.startswith(b"HTTP/1.1 401"), response
+        assert conn.session is not None and not conn.session.has_ticket
 
 
 def test_consuming_needs_the_scope_and_the_queue(open_peer: Callable[..., Peer]) -> None:
