@@ -113,6 +113,30 @@ def store_url_for(url: str | None, conf: Any) -> str:
     return url
 
 
+def same_store(a: Any, b: Any) -> bool:
+    """Whether two store URLs (strings or SQLAlchemy URLs) name one database: a
+    completion in one can carry a result for the other. The driver and the password
+    don't matter; the query does (a PostgreSQL ``search_path`` is another schema)."""
+    from sqlalchemy.engine import make_url
+
+    def key(url: Any) -> tuple[Any, ...]:
+        parsed = make_url(url)
+        database = parsed.database
+        if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
+            database = os.path.realpath(database)
+        return (parsed.get_backend_name(), parsed.username, parsed.host, parsed.port,
+                database, sorted(parsed.query.items()))
+
+    return key(a) == key(b)
+
+
+def carried_by_completions(backend: Any, store_url: Any) -> bool:
+    """Whether ``backend`` keeps its results in the store at ``store_url`` (``pulse://``
+    or ``pulse+`` that store): then a fenced completion there writes them. A
+    ``pulse+<url>`` backend on a store of its own is written as any backend is."""
+    return isinstance(backend, PulseBackend) and same_store(backend.store_url, store_url)
+
+
 class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
     """Celery results in the pulse store (``pulse://``)."""
 

@@ -41,6 +41,7 @@ from celery_pulse.store.base import (
     Completion,
     Grant,
     ReserveRequest,
+    ResultRecord,
     Store,
 )
 
@@ -189,8 +190,11 @@ class Fenced:
         """``(state, lease_until)`` while the attempt holds its lease (nothing extended)."""
         return self.store.lease_of(self.holder, attempt.task_id, attempt.epoch, attempt.token)
 
-    def finish(self, attempt: Attempt, outcome: str, error: str | None) -> str:
-        """``applied``, ``duplicate`` or ``evidence`` (a stale attempt: kept, not applied)."""
+    def finish(self, attempt: Attempt, outcome: str, error: str | None,
+               result: ResultRecord | None = None) -> str:
+        """``applied``, ``duplicate`` or ``evidence`` (a stale attempt: kept, not applied);
+        ``result`` is written only if it applies, in its transaction."""
         answers = self.store.complete(self.holder, [Completion(
-            attempt.task_id, attempt.epoch, attempt.token, OUTCOMES[outcome], error)])
+            attempt.task_id, attempt.epoch, attempt.token, OUTCOMES[outcome], error,
+            result)])
         return answers.get(attempt.task_id, "evidence")

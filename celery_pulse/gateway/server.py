@@ -56,6 +56,7 @@ from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
+from celery_pulse.backend import DEFERRED_STATES, carried_by_completions, deferred_result
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.credentials import (
@@ -390,13 +391,14 @@ class Gateway:
         if frame.type == "task.finish":
             finish: frames.Finish = frame.body
             attempt = instance.attempt(*_ref(finish.ref))
-            answer = await self._store(fenced.finish, attempt, finish.outcome, finish.error_code)
+            answer, written = await self._store(self._settle, fenced, attempt, finish)
             attempt.state = FINISHED
             feeder = self._feeders.get(instance.instance_id)
             if feeder is not None:
                 feeder.room()
             if answer == "applied":
-                await self._write_result(attempt, finish)
+                if not written:
+                    await self._write_result(attempt, finish)
                 if self.events is not None:
                     self._spawn(self.events.send(
                         "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
@@ -463,28 +465,56 @@ class Gateway:
         wire = "RUNNING" if state == "running" else LEASED
         return _lease(wire == "RUNNING", wire, lease_until, now)
 
-    async def _write_result(self, attempt: Attempt, finish: frames.Finish) -> None:
-        """The outcome in the app's result backend, once the store applied it (a stale
-        attempt's never is)."""
-        backend = getattr(self.app, "backend", None) if self.app is not None else None
+    def _settle(self, fenced: Fenced, attempt: Attempt, finish: frames.Finish
+                ) -> tuple[str, bool]:
+        """The finish in the store (blocking: a thread's), and whether it wrote the result
+        too: with the ``pulse://`` backend on this store the result goes in the
+        completion's transaction, as a direct worker's does (one round trip, and never a
+        settled claim without its result)."""
+        backend = self._backend()
+        state, call = self._result_call(backend, attempt, finish)
+        record = None
+        if (call is not None and state in DEFERRED_STATES
+                and carried_by_completions(backend, getattr(self.store, "url", None))):
+            with deferred_result(attempt.task_id) as deferral:
+                call()  # kept in deferral.record, not written
+            record = deferral.record
+        answer = fenced.finish(attempt, finish.outcome, finish.error_code, record)
+        return answer, record is not None
+
+    def _backend(self) -> Any:
+        """The app's result backend (Celery's is per thread: ask in the thread using it)."""
+        return getattr(self.app, "backend", None) if self.app is not None else None
+
+    @staticmethod
+    def _result_call(backend: Any, attempt: Attempt, finish: frames.Finish
+                     ) -> tuple[str | None, Callable[[], Any] | None]:
+        """The Celery state of a finish and the backend call that stores it (None for
+        UNKNOWN, whose outcome a human decides, or with no backend)."""
         if backend is None or finish.outcome == "UNKNOWN":
-            return
+            return None, None
         from celery import states
 
         meta = finish.result.get("celery_meta") if isinstance(finish.result, dict) else None
         if isinstance(meta, dict) and isinstance(meta.get("status"), str):
             # A Celery worker's own meta (celery_pulse.gateway.worker): its state, result
             # (an exception already in Celery's JSON form) and traceback, as it wrote them.
-            call = functools.partial(backend.store_result, attempt.task_id,
-                                     meta.get("result"), meta["status"],
-                                     traceback=meta.get("traceback"))
-        elif finish.outcome == "SUCCEEDED":
-            call = functools.partial(backend.store_result, attempt.task_id, finish.result,
-                                     states.SUCCESS)
-        else:
-            error = RemoteTaskError(f"{finish.error_code}: {json.dumps(finish.result)[:1000]}")
-            call = functools.partial(backend.store_result, attempt.task_id, error,
-                                     states.FAILURE)
+            return meta["status"], functools.partial(
+                backend.store_result, attempt.task_id, meta.get("result"), meta["status"],
+                traceback=meta.get("traceback"))
+        if finish.outcome == "SUCCEEDED":
+            return states.SUCCESS, functools.partial(
+                backend.store_result, attempt.task_id, finish.result, states.SUCCESS)
+        error = RemoteTaskError(f"{finish.error_code}: {json.dumps(finish.result)[:1000]}")
+        return states.FAILURE, functools.partial(
+            backend.store_result, attempt.task_id, error, states.FAILURE)
+
+    async def _write_result(self, attempt: Attempt, finish: frames.Finish) -> None:
+        """The outcome in the app's result backend, once the store applied it (a stale
+        attempt's never is): for a backend the completion can't carry."""
+        _, call = self._result_call(self._backend(), attempt, finish)
+        if call is None:
+            return
         try:
             await self._store(call)
         except ProtocolError as exc:  # the claim is settled; the result is lost, say so

@@ -30,7 +30,7 @@ import weakref
 from types import CodeType, FrameType
 from typing import Any
 
-from celery_pulse.backend import deferred_result, record_fields
+from celery_pulse.backend import carried_by_completions, deferred_result, record_fields
 from celery_pulse.errors import PulseError
 from celery_pulse.lease import Lease, _set_current, current_lease
 from celery_pulse.pool.slots import DeadlineTable
@@ -67,6 +67,8 @@ _armed: tuple[Lease, frozenset[CodeType]] | None = None
 _codes: dict[str, frozenset[CodeType]] = {}
 #: Result backends whose writes are guarded in this process.
 _guarded: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Result backends whose results the parent's completions write (:func:`_carried`).
+_carries: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def configure(context: ChildContext) -> None:
@@ -131,6 +133,17 @@ def _on_lease_signal(signum: int, frame: FrameType | None) -> None:
         if frame.f_code in codes:
             raise lease.lost_error()
         frame = frame.f_back
+
+
+def _carried(backend: Any) -> bool:
+    """Whether the parent's completion writes ``backend``'s results (asked once per
+    backend instance)."""
+    if backend is None or _context is None:
+        return False
+    known = _carries.get(backend)
+    if known is None:
+        known = _carries[backend] = carried_by_completions(backend, _context.store_url)
+    return known
 
 
 def _guard_backend(backend: Any) -> None:
@@ -199,9 +212,11 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
     _armed = (lease, _task_codes(args[0]))
     _set_current(lease)
     task = _context.app.tasks.get(args[0])
-    if task is not None:
-        _guard_backend(task.backend)
+    backend = None if task is None else task.backend
+    _guard_backend(backend)
     try:
+        if not _carried(backend):  # another backend, or results in a store of their own
+            return target(*args, **kwargs)
         with deferred_result(task_id) as deferral:
             value = target(*args, **kwargs)
         if deferral.record is not None:

@@ -139,6 +139,32 @@ def test_the_pool_children_write_no_results(
     assert [opened for _, opened in answers] == [False, False]
 
 
+def test_a_backend_on_a_store_of_its_own_gets_the_results(
+        pg_url: str, rabbitmq_url: str, sqlite_url: str, make_env: Callable[..., Env],
+        workers: Callable[..., Worker]) -> None:
+    """``pulse+<another store>`` (the docs' "a store of its own"): the claims are in one
+    store, the results in the other. The completion can't carry a result to another
+    database, so the pool child writes it there itself, as with any backend."""
+    make_env(sqlite_url, "memory://")  # migrates the results' store
+    backend = "pulse+" + sqlite_url
+    env = make_env(pg_url, rabbitmq_url, {"result_backend": backend})
+    workers(env, "own-store@%h", concurrency=2).wait_ready()
+    app = Celery("pulse-results-client", broker=env.broker_url, backend=backend,
+                 set_as_current=False)
+    app.conf.update(task_default_queue=env.queue)
+    try:
+        results = [app.send_task("pulseapp.add", (i, i)) for i in range(5)]
+        assert [r.get(timeout=30) for r in results] == [2 * i for i in range(5)]
+        failed = app.send_task("pulseapp.fail", ("boom",))
+        with pytest.raises(ValueError, match="boom"):
+            failed.get(timeout=30)
+    finally:
+        app.close()
+    ids = {r.id for r in [*results, failed]}
+    assert {k for k in results_written_by(sqlite_url) if any(i in k for i in ids)}
+    assert not {k for k in results_written_by(pg_url) if any(i in k for i in ids)}
+
+
 def test_a_chord_counts_each_part_once_and_runs_its_callback_once(
         pg_url: str, rabbitmq_url: str, tmp_path: Path, make_env: Callable[..., Env],
         workers: Callable[..., Worker], db: Callable[[str], Claims]) -> None:

@@ -13,7 +13,13 @@ from celery.app.task import Context
 from celery.backends.base import KeyValueStoreBackend
 from kombu.exceptions import EncodeError
 
-from celery_pulse.backend import PulseBackend, deferred_result, record_fields
+from celery_pulse.backend import (
+    PulseBackend,
+    carried_by_completions,
+    deferred_result,
+    record_fields,
+    same_store,
+)
 from celery_pulse.store.base import ResultRecord
 
 
@@ -95,3 +101,35 @@ def test_a_deferred_outcome_is_kept_not_written_and_crosses_the_pipe_as_fields()
     assert not backend.opened_here()  # nothing written, no connection
     assert ResultRecord(*record_fields(record)) == record
     assert backend.decode(record.value)["result"] == 42
+
+
+# -- which backend a completion writes for -----------------------------------------------
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("postgresql://u@db/jobs", "postgresql+psycopg://u:secret@db/jobs", True),  # driver, password
+    ("postgresql+psycopg://u@db/jobs?options=-csearch_path%3Da",
+     "postgresql+psycopg://u@db/jobs?options=-csearch_path%3Db", False),  # another schema
+    ("postgresql+psycopg://u@db/jobs", "postgresql+psycopg://u@db/other", False),
+    ("postgresql+psycopg://u@db:5432/jobs", "postgresql+psycopg://u@db:5433/jobs", False),
+    ("mysql+pymysql://root@127.0.0.1/test", "postgresql+psycopg://root@127.0.0.1/test", False),
+])
+def test_same_store_is_one_database(a: str, b: str, same: bool) -> None:
+    assert same_store(a, b) is same
+
+
+def test_same_store_resolves_sqlite_paths(tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert same_store("sqlite:///pulse.db", f"sqlite:///{tmp_path / 'pulse.db'}")
+    assert not same_store("sqlite:///pulse.db", f"sqlite:///{tmp_path / 'other.db'}")
+
+
+def test_completions_carry_only_a_pulse_backend_on_their_store(tmp_path: Any) -> None:
+    store = f"sqlite:///{tmp_path / 'claims.db'}"
+    app = Celery("carried", set_as_current=False)
+    app.conf.pulse_store_url = store
+    assert carried_by_completions(PulseBackend(app=app, url="pulse://"), store)
+    # What Celery hands the backend for "pulse+<url>": the URL after the "+".
+    assert carried_by_completions(PulseBackend(app=app, url=store), store)
+    elsewhere = PulseBackend(app=app, url=f"sqlite:///{tmp_path / 'results.db'}")
+    assert not carried_by_completions(elsewhere, store)
+    assert not carried_by_completions(KeyValueStoreBackend(app=app), store)
