@@ -189,6 +189,8 @@ class Gateway:
         #: Celery events on the instances' behalf (Flower), or None.
         self.events = events
         self._background: set[asyncio.Future[None]] = set()
+        #: Whether finishes carry their results (:meth:`_carried`; None: not asked yet).
+        self._carries: bool | None = None
         #: This gateway in its instances' registry labels, and who asks for their drains.
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         #: The instances' rows in the worker registry (none without a store).
@@ -474,13 +476,20 @@ class Gateway:
         backend = self._backend()
         state, call = self._result_call(backend, attempt, finish)
         record = None
-        if (call is not None and state in DEFERRED_STATES
-                and carried_by_completions(backend, getattr(self.store, "url", None))):
+        if call is not None and state in DEFERRED_STATES and self._carried(backend):
             with deferred_result(attempt.task_id) as deferral:
                 call()  # kept in deferral.record, not written
             record = deferral.record
         answer = fenced.finish(attempt, finish.outcome, finish.error_code, record)
         return answer, record is not None
+
+    def _carried(self, backend: Any) -> bool:
+        """Whether this store's completions can carry ``backend``'s results: asked once
+        (neither the store nor the app's backend URL changes), not on every finish."""
+        if self._carries is None:
+            url = getattr(self.store, "url", None)
+            self._carries = url is not None and carried_by_completions(backend, url)
+        return self._carries
 
     def _backend(self) -> Any:
         """The app's result backend (Celery's is per thread: ask in the thread using it)."""
