@@ -6,7 +6,13 @@ import contextlib
 from typing import Any
 
 POOL_ALIAS = "pulse"
-POOL_CLASS = "celery_pulse.pool.prefork:TaskPool"
+#: The module's last part is what Celery's banner shows (``concurrency: 2 (pulse_prefork)``);
+#: "prefork" in its path is what Django's fixup looks for.
+POOL_CLASS = "celery_pulse.pool.pulse_prefork:TaskPool"
+#: The one line a ``-P pulse`` worker of an app without :func:`install` exits with.
+NOT_INSTALLED = ("-P pulse on an app without the pulse bootsteps would run plain prefork "
+                 "(no leases): call celery_pulse.install(app) in the module that creates "
+                 "the app")
 
 
 def register_pool_alias() -> None:
@@ -29,6 +35,39 @@ def register_pool_alias() -> None:
     if choices is not None and POOL_ALIAS not in choices:
         with contextlib.suppress(AttributeError, TypeError):  # Celery internals moved
             choice.choices = (*tuple(choices), POOL_ALIAS)  # type: ignore[union-attr]
+
+
+def installed(app: Any) -> bool:
+    """Whether :func:`install` added pulse's worker step to ``app``."""
+    from celery_pulse.bootsteps.runtime import Runtime
+
+    return Runtime in app.steps["worker"]
+
+
+def mask_secrets_in_conf() -> None:
+    """Make Celery's own display of settings mask the passwords in pulse's URLs.
+
+    ``celery inspect conf`` (answered by every worker to anyone on the broker), ``celery
+    report`` and Flower show ``app.conf.table()``, which Celery filters through
+    ``celery.app.utils.filter_hidden_settings``: it masks Celery's own keys only, so
+    ``pulse_store_url`` went out with its password. We wrap that function (it is looked
+    up at call time) to mask any pulse setting's URL password too. Idempotent; a Celery
+    without the function is left alone.
+    """
+    from celery.app import utils
+
+    from celery_pulse.settings import masked_value
+
+    original = getattr(utils, "filter_hidden_settings", None)
+    if original is None or getattr(original, "pulse_masks", False):
+        return
+
+    def filter_hidden_settings(conf: Any) -> Any:
+        shown = original(conf)
+        return {key: masked_value(key, value) for key, value in shown.items()}
+
+    filter_hidden_settings.pulse_masks = True  # type: ignore[attr-defined]
+    utils.filter_hidden_settings = filter_hidden_settings
 
 
 def _warn_on_celery_beat(app: Any) -> None:
@@ -94,6 +133,7 @@ def install(app: Any) -> Any:
     from celery_pulse.bootsteps.runtime import Runtime
 
     register_pool_alias()
+    mask_secrets_in_conf()
     _warn_on_celery_beat(app)
     before_task_publish.connect(stamp_publication, weak=False,
                                 dispatch_uid="celery-pulse-publication")

@@ -8,8 +8,9 @@ and commands get a :class:`Settings`. A bad value fails here, at startup, with a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -21,6 +22,10 @@ STORE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg"
                  *(f"{family}{driver}" for family in ("mysql", "mariadb")
                    for driver in ("", "+pymysql", "+mysqldb", "+mariadbconnector")))
 ON_LOST_POLICIES = ("redispatch", "review")
+#: The per-task options pulse reads (``@app.task(pulse_max_attempts=3)``); a unit test
+#: checks these are exactly the ``getattr(task, "pulse_...")`` names in the package.
+TASK_OPTIONS = frozenset({"pulse_on_lost", "pulse_max_attempts", "pulse_idempotent",
+                          "pulse_concurrency", "pulse_concurrency_key"})
 DEFAULT_STORE_DIR = ".celery-pulse"
 
 
@@ -197,7 +202,10 @@ class Settings:
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> Settings:
-        """Read every ``pulse_*`` key of a Celery ``app.conf`` (or any mapping)."""
+        """Read every ``pulse_*`` key of a Celery ``app.conf`` (or any mapping).
+
+        A ``pulse_*`` key that is not a setting (a typo) is refused, not ignored."""
+        refuse_unknown(conf)
         kwargs: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             key = f"pulse_{field.name}"
@@ -260,3 +268,80 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     except (TypeError, ValueError):
         raise InvalidConfig(f"{key}: invalid value {value!r} (expected {text})",
                             setting=key) from None
+
+
+def known_settings() -> frozenset[str]:
+    """Every setting pulse reads: the fields of :class:`Settings` (nothing else reads
+    ``app.conf`` for a ``pulse_*`` key), so the list cannot drift from the code."""
+    return frozenset(f"pulse_{field.name}" for field in dataclasses.fields(Settings))
+
+
+def _spelled(name: str, prefix: str) -> str:
+    """``name`` as Celery looks it up under the namespace ``prefix`` (its ``match_case``)."""
+    if not prefix:
+        return name
+    key = prefix + name
+    return key.upper() if prefix.isupper() else key.lower()
+
+
+def _pulse_keys(conf: Mapping[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """``(key as written, pulse name it aims at, prefix it used)`` for every key of
+    ``conf`` in pulse's namespace: ``pulse_*`` and, under Celery's ``namespace=``
+    (``conf.prefix``, e.g. ``CELERY_``), ``CELERY_PULSE_*``. Without a namespace an
+    upper-case ``PULSE_*`` counts too (Celery never reads it: a silent mistake)."""
+    keys = list(conf.keys())  # first: a pending Celery conf loads (and learns its prefix)
+    prefix = str(getattr(conf, "prefix", None) or "")
+    for key in keys:
+        if not isinstance(key, str):
+            continue
+        lowered = key.lower()
+        if prefix and lowered.startswith(prefix.lower() + "pulse_"):
+            yield key, lowered[len(prefix):], prefix
+        elif key.startswith("pulse_") or (not prefix and lowered.startswith("pulse_")):
+            yield key, lowered, ""
+
+
+def refuse_unknown(conf: Mapping[str, Any]) -> None:
+    """Raise :class:`InvalidConfig` naming every ``pulse_*`` key of ``conf`` that pulse
+    would not read, each with the closest known setting (``pulse_lease_tll``: "did you
+    mean pulse_lease_ttl?"), spelled the way the user's namespace needs it."""
+    known = known_settings()
+    problems: list[tuple[str, str]] = []
+    for key, name, prefix in _pulse_keys(conf):
+        if key == _spelled(name, prefix) and name in known:
+            continue
+        if name in known:  # a known setting in a case Celery does not look up
+            problems.append((key, f"{key} is never read (write {_spelled(name, prefix)})"))
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = (f"did you mean {_spelled(close[0], prefix)}?" if close
+                else "see docs/configuration.md for the settings pulse knows")
+        problems.append((key, f"unknown setting {key} ({hint})"))
+    if problems:
+        raise InvalidConfig("; ".join(text for _key, text in problems),
+                            setting=problems[0][0])
+
+
+def refuse_unknown_task_options(tasks: Mapping[str, Any]) -> None:
+    """Raise :class:`InvalidConfig` for a registered task with a ``pulse_*`` option pulse
+    does not know (``@app.task(pulse_max_atempts=3)`` would otherwise do nothing)."""
+    for name, task in tasks.items():
+        for option in sorted(attr for attr in dir(task) if attr.startswith("pulse_")):
+            if option not in TASK_OPTIONS:
+                close = difflib.get_close_matches(option, TASK_OPTIONS, n=1)
+                hint = (f"did you mean {close[0]}?" if close
+                        else f"pulse knows {', '.join(sorted(TASK_OPTIONS))}")
+                raise InvalidConfig(f"task {name}: unknown option {option} ({hint})",
+                                    setting=option)
+
+
+def masked_value(key: Any, value: Any) -> Any:
+    """``value`` of the setting ``key`` as it may be shown to anyone (``celery inspect
+    conf``, logs): a pulse setting's URL password masked, everything else as it is."""
+    if not (isinstance(key, str) and isinstance(value, str)
+            and ("pulse_" in key.lower() or key == "gateway_url")):
+        return value
+    try:
+        return mask_url(value)
+    except ValueError:  # not parseable as a URL, yet it might hold one: show nothing
+        return "********"

@@ -27,6 +27,7 @@ from celery_pulse.settings import (  # noqa: E402 - after the path tweak
     STORE_SCHEMES,
     Settings,
 )
+from celery_pulse.settings import TASK_OPTIONS as KNOWN_TASK_OPTIONS  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "configuration.md"
 
@@ -76,7 +77,8 @@ RULES: dict[str, Rule] = {
     "gateway_ca": Rule("an existing file, or unset", {"pulse_gateway_ca": "/nonexistent/ca.pem"}),
 }
 
-#: Per-task options (``@app.task(pulse_...=...)``): not part of Settings.
+#: Per-task options (``@app.task(pulse_...=...)``): not part of Settings; the names must
+#: be ``celery_pulse.settings.TASK_OPTIONS`` (the ones a worker accepts).
 TASK_OPTIONS = [
     ("pulse_on_lost", "`redispatch` or `review`",
      "What Recover does when a started attempt of this task is lost; overrides the "
@@ -106,7 +108,14 @@ HEADER = """\
 Settings are read from the Celery app's configuration (`app.conf`, or any way Celery
 loads config), once, when a worker or a `celery pulse` command starts. Every value
 is checked then: a bad one stops the worker with exit code 78 and one line naming the
-setting (`InvalidConfig`). Nothing falls back silently.
+setting (`InvalidConfig`). Nothing falls back silently: a `pulse_*` key pulse does not
+know stops it too, naming the closest known one (`unknown setting pulse_lease_tll (did
+you mean pulse_lease_ttl?)`), and so does an unknown `pulse_*` option on a task. With
+Celery's `namespace="CELERY"` (Django's `config_from_object("django.conf:settings",
+namespace="CELERY")`) write them `CELERY_PULSE_LEASE_TTL`.
+
+`celery inspect conf` (which any client on the broker may ask), `celery report` and
+Flower show pulse's settings with the password of a URL masked (`postgresql://u:***@db/x`).
 
 Durations are in seconds. A `datetime.timedelta` or a numeric string works too. The
 settings whose default is "a third of" something are derived from their TTL when you
@@ -145,6 +154,11 @@ def render() -> str:
     extra = set(RULES) - {f.name for f in dataclasses.fields(Settings)}
     if extra:
         raise SystemExit(f"docs/gen_config.py: rules for unknown settings: {sorted(extra)}")
+    documented = {name for name, *_rest in TASK_OPTIONS}
+    if documented != KNOWN_TASK_OPTIONS:
+        raise SystemExit(f"docs/gen_config.py: task options documented {sorted(documented)} "
+                         f"are not celery_pulse.settings.TASK_OPTIONS "
+                         f"{sorted(KNOWN_TASK_OPTIONS)}")
     lines.append("\n## Per-task options\n\n")
     lines.append("Set on the task: `@app.task(acks_late=True, pulse_max_attempts=3)`.\n\n")
     lines.append("| option | accepted values | what it does | default |\n")

@@ -35,7 +35,7 @@ from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.recover import Recoverer
-from celery_pulse.settings import Settings
+from celery_pulse.settings import Settings, refuse_unknown_task_options
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
@@ -488,6 +488,7 @@ class Runtime(bootsteps.StartStopStep):
     def create(self, w: Any) -> Any:
         try:
             settings = Settings.from_conf(w.app.conf)
+            refuse_unknown_task_options(w.app.tasks)
             rules = PermitRules.for_app(w.app, settings.concurrency_limits)
             if settings.gateway_url:
                 settings, store = _gateway_store(w, settings)

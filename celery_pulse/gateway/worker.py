@@ -35,7 +35,7 @@ from typing import Any
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
 from celery_pulse.gateway.client import Assigned, GatewayClient
 from celery_pulse.gateway.frames import Code, ProtocolError
-from celery_pulse.settings import Settings
+from celery_pulse.settings import Settings, mask_url
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
@@ -106,11 +106,12 @@ def connect_worker(settings: Settings, queue: str, capacity: int, handlers: Sequ
                                     f"for queue {queue!r}: {exc.code}: {exc.message}",
                                     setting="pulse_gateway_credentials") from None
             raise StoreUnavailable(f"pulse_gateway_url: the gateway at "
-                                   f"{settings.gateway_url} answered {exc.code}") from None
+                                   f"{mask_url(settings.gateway_url)} answered {exc.code}"
+                                   ) from None
         except Exception as exc:  # TLS, DNS, refused connection, handshake
             client.close()
             raise StoreUnavailable(f"pulse_gateway_url: cannot reach the gateway at "
-                                   f"{settings.gateway_url}: {exc}") from None
+                                   f"{mask_url(settings.gateway_url)}: {exc}") from None
         _clients[settings.gateway_url] = client
         return client
 
@@ -125,7 +126,7 @@ class GatewayStore(RegistryStore, ClaimStore):
 
     def __init__(self, client: GatewayClient, url: str) -> None:
         self.client = client
-        self.url = url
+        self.url = mask_url(url)  # shown (inspect stats), never used to connect
 
     def _find(self, task_id: str, epoch: int, token: str) -> Assigned | None:
         found = self.client.assigned_for(task_id, epoch)

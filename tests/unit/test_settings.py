@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from celery_pulse.errors import InvalidConfig, PulseError
-from celery_pulse.settings import Settings, default_store_url, mask_url
+from celery_pulse.settings import (
+    TASK_OPTIONS,
+    Settings,
+    default_store_url,
+    known_settings,
+    mask_url,
+    masked_value,
+    refuse_unknown_task_options,
+)
 
 SQLITE = "sqlite:///pulse.sqlite3"
 
@@ -156,7 +164,6 @@ def test_from_conf_reads_pulse_keys_from_a_plain_dict() -> None:
         "pulse_max_attempts": 3.0,
         "pulse_beat": "off",
         "pulse_on_lost": "review",
-        "pulse_unknown_key": "ignored",
         "worker_ttl": 999,  # not a pulse_* key
         "broker_url": "amqp://guest:guest@localhost//",
     }
@@ -253,3 +260,129 @@ def test_mask_url_hides_password(url: str, masked: str) -> None:
 ])
 def test_mask_url_without_password_is_unchanged(url: str) -> None:
     assert mask_url(url) == url
+
+
+# -- unknown keys are refused, never ignored ---------------------------------------
+def test_a_misspelt_setting_names_the_closest_known_one() -> None:
+    exc = invalid_conf("pulse_lease_tll", {"pulse_store_url": SQLITE, "pulse_lease_tll": 10})
+    assert str(exc) == "unknown setting pulse_lease_tll (did you mean pulse_lease_ttl?)"
+
+
+def test_every_unknown_key_is_named_at_once() -> None:
+    exc = invalid_conf("pulse_worker_tll", {"pulse_worker_tll": 1, "pulse_bogus_thing": 2})
+    assert "pulse_worker_tll (did you mean pulse_worker_ttl?)" in str(exc)
+    assert "unknown setting pulse_bogus_thing (see docs/configuration.md" in str(exc)
+
+
+def test_the_known_settings_are_the_fields() -> None:
+    assert known_settings() == {f"pulse_{f.name}" for f in dataclasses.fields(Settings)}
+    Settings.from_conf({key: None for key in known_settings()})  # each one is accepted
+
+
+def _celery_app(config: type, namespace: str | None) -> Any:
+    from celery import Celery
+
+    app = Celery("settings-test", set_as_current=False)
+    app.config_from_object(config, namespace=namespace)
+    return app
+
+
+def test_a_misspelt_setting_under_celerys_namespace_is_named_as_written() -> None:
+    class Config:
+        CELERY_PULSE_STORE_URL = SQLITE
+        CELERY_PULSE_LEASE_TLL = 10
+
+    exc = invalid_conf("CELERY_PULSE_LEASE_TLL", _celery_app(Config, "CELERY").conf)
+    assert str(exc) == ("unknown setting CELERY_PULSE_LEASE_TLL "
+                        "(did you mean CELERY_PULSE_LEASE_TTL?)")
+
+
+def test_settings_under_celerys_namespace_are_read() -> None:
+    class Config:
+        CELERY_PULSE_STORE_URL = SQLITE
+        CELERY_PULSE_LEASE_TTL = 12
+        pulse_worker_ttl = 9  # Celery reads the plain name under a namespace too
+        PULSE_UNRELATED = 1  # another library's setting in a Django settings module
+
+    s = Settings.from_conf(_celery_app(Config, "CELERY").conf)
+    assert (s.store_url, s.lease_ttl, s.worker_ttl) == (SQLITE, 12.0, 9.0)
+
+
+def test_an_upper_case_setting_without_a_namespace_is_refused() -> None:
+    # Celery never looks up PULSE_LEASE_TTL for pulse_lease_ttl: it would be ignored.
+    class Config:
+        PULSE_LEASE_TTL = 10
+
+    exc = invalid_conf("PULSE_LEASE_TTL", _celery_app(Config, None).conf)
+    assert "write pulse_lease_ttl" in str(exc)
+
+
+def test_a_celery_app_with_a_misspelt_setting_is_refused() -> None:
+    app = _celery_app(type("Config", (), {}), None)
+    app.conf.pulse_renew_intervall = 1
+    exc = invalid_conf("pulse_renew_intervall", app.conf)
+    assert "did you mean pulse_renew_interval?" in str(exc)
+
+
+def test_an_unknown_task_option_names_the_task_and_the_closest_option() -> None:
+    from celery import Celery
+
+    app = Celery("task-options-test", set_as_current=False)
+
+    @app.task(name="proj.charge", pulse_max_attempts=3, pulse_idempotent=True)
+    def charge() -> None: ...
+
+    refuse_unknown_task_options(app.tasks)  # known options pass
+
+    @app.task(name="proj.refund", pulse_max_atempts=3)
+    def refund() -> None: ...
+
+    with pytest.raises(InvalidConfig) as info:
+        refuse_unknown_task_options(app.tasks)
+    assert str(info.value) == ("task proj.refund: unknown option pulse_max_atempts "
+                               "(did you mean pulse_max_attempts?)")
+    assert info.value.setting == "pulse_max_atempts"
+
+
+def test_task_options_are_the_ones_the_package_reads() -> None:
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "celery_pulse"
+    read = set()
+    for path in package.rglob("*.py"):
+        read |= set(re.findall(r"getattr\(\s*(?:task|t)\s*,\s*\"(pulse_\w+)\"",
+                               path.read_text()))
+    assert read == TASK_OPTIONS
+
+
+# -- secrets ------------------------------------------------------------------------
+@pytest.mark.parametrize(("key", "value", "shown"), [
+    ("pulse_store_url", "postgresql+psycopg://root:secretpw@db/test",
+     "postgresql+psycopg://root:***@db/test"),
+    ("CELERY_PULSE_STORE_URL", "postgresql://u:secretpw@db/x", "postgresql://u:***@db/x"),
+    ("gateway_url", "wss://u:secretpw@gw:8443/v1", "wss://u:***@gw:8443/v1"),
+    ("pulse_store_url", "sqlite:////var/lib/pulse.sqlite3", "sqlite:////var/lib/pulse.sqlite3"),
+    ("pulse_beat_catchup", "latest", "latest"),
+    ("pulse_lease_ttl", 30, 30),
+    ("pulse_store_url", "postgresql://u:secretpw@[::1/x", "********"),
+    ("my_own_url", "postgresql://u:pw@db/x", "postgresql://u:pw@db/x"),  # not pulse's
+])
+def test_masked_value(key: str, value: Any, shown: Any) -> None:
+    assert masked_value(key, value) == shown
+
+
+def test_celerys_conf_table_masks_pulse_passwords_after_install() -> None:
+    from celery import Celery
+
+    import celery_pulse
+
+    app = Celery("mask-test", set_as_current=False)
+    app.conf.update(pulse_store_url="postgresql+psycopg://root:secretpw@db/test",
+                    pulse_beat_catchup="all", broker_url="amqp://guest:brokerpw@h//")
+    celery_pulse.install(app)
+    table = app.conf.table(with_defaults=True)
+    assert table["pulse_store_url"] == "postgresql+psycopg://root:***@db/test"
+    assert table["pulse_beat_catchup"] == "all"
+    assert "brokerpw" not in str(table)  # Celery's own masking still applies
+    assert app.conf.table(censored=False)["pulse_store_url"].endswith("secretpw@db/test")
