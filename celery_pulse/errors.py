@@ -42,6 +42,14 @@ class Contended(PulseError):
     """
 
 
+class Unstorable(PulseError):
+    """The store refused to keep this one delivery (a value it cannot hold).
+
+    Not an outage (the store answered, about this delivery alone): the delivery is
+    rejected, never retried, and the others batched with it are reserved on their own.
+    """
+
+
 class NotRegistered(PulseError):
     """This worker is not registered (replaced, expired or deregistered)."""
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_pulse.errors import Contended, PulseError, StoreUnavailable
+from celery_pulse.errors import Contended, PulseError, StoreUnavailable, Unstorable
 from celery_pulse.store.base import (
     RETRY,
     ClaimStore,
@@ -187,6 +187,8 @@ class Counters:
     #: operations they carried: what the group commit saves is ops / exchanges.
     exchanges: int = 0
     exchanged_ops: int = 0
+    #: Deliveries settled without running: malformed, or refused by the store alone.
+    rejected: int = 0
     renew_latency: list[float] = dataclasses.field(default_factory=list)
 
     def record_latency(self, seconds: float) -> None:
@@ -624,9 +626,32 @@ class LeaseKeeper:
                                        [op[1] for op in reserves], [c.key for c in claims],
                                        permits or None)
         except Exception as exc:
+            if reserves and isinstance(exc, Unstorable):
+                return self._isolate(exc, completes, reserves, starts, sent)
             return self.answer_failure(exc, reserves, starts, sent)
         self.answer_exchange(done, completes, reserves, starts, sent)
         return None
+
+    def _isolate(self, exc: Unstorable, completes: list[tuple[str, Any, Any, bool]],
+                 reserves: list[tuple[str, Any, Any, bool]],
+                 starts: list[tuple[str, Any, Any, bool]], sent: float) -> PulseError | None:
+        """The store refused a value the exchange carried: which reservation's?
+
+        Reservations are batched all or nothing, so one delivery the store can't keep
+        (a value too long, over the packet size) fails the whole exchange. Its effect is
+        known (nothing: the store answered with an error), so the rest goes again without
+        the reservations, then each reservation alone; the one refused alone is answered
+        :class:`Unstorable` (its delivery is rejected), the others as usual.
+        """
+        if len(reserves) == 1 and not completes and not starts:
+            self._answer(reserves, [exc], sent)
+            return None
+        logger.warning("pulse: the store refused a batch of %d reservation(s) (%s): "
+                       "reserving each alone", len(reserves), exc)
+        failure = self._exchange(completes, [], starts) if completes or starts else None
+        for op in reserves:
+            self._exchange([], [op], [])
+        return failure
 
     def count_exchange(self, *kinds: list[tuple[str, Any, Any, bool]]) -> None:
         self.counters.exchanges += 1

@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from celery_pulse.errors import Unstorable
 from celery_pulse.leases import (
     BATCH,
     FIRST_BACKOFF,
@@ -267,6 +268,12 @@ class LoopCommitter:
     def _failed(self, exc: BaseException,
                 ops: tuple[list[Op], list[Op], list[Op], float]) -> None:
         completes, reserves, starts, sent = ops
+        if reserves and isinstance(exc, Unstorable):
+            # One reservation the store refused failed them all: the thread reserves
+            # each alone (LeaseKeeper._isolate). Nothing took effect; a completion sent
+            # again is answered as a duplicate.
+            self._hand_over(("batch", (completes, reserves, starts)))
+            return
         failure = self.keeper.answer_failure(exc, reserves, starts, sent)
         if not completes:
             return

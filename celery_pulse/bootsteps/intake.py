@@ -24,8 +24,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from celery_pulse.bootsteps import screen
 from celery_pulse.bootsteps.loop import LoopCaller
-from celery_pulse.errors import Contended, PulseError
+from celery_pulse.errors import Contended, PulseError, Unstorable
 from celery_pulse.leases import LocalClaim
 from celery_pulse.store.base import FAILED, Grant, Message, Refusal, ReserveRequest
 
@@ -79,6 +80,11 @@ def _mark_redelivered(message: Any) -> None:
     info = getattr(message, "delivery_info", None)
     if isinstance(info, dict):
         info["redelivered"] = True
+
+
+def _size(message: Any) -> int:
+    body = message.body
+    return len(body) if isinstance(body, (bytes, bytearray, str)) else 0
 
 
 def publication_of(headers: Any) -> str | None:
@@ -142,6 +148,7 @@ class Intake:
         self._hold: bool | None = None
         #: Consumption paused at the prefetch limit (brokers where deliveries aren't held).
         self.paused_at_limit = False
+        self._body_limit: tuple[int | None] | None = None
 
     def wrap(self, task: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         settings = self.pulse.settings
@@ -151,13 +158,35 @@ class Intake:
         # its start is never folded into the reservation.
         may_fold = not (getattr(task, "rate_limit", None)
                         and not getattr(self.consumer, "disable_rate_limits", False))
+        bad_name = screen.name_problem(task.name)
+        if bad_name:
+            logger.error("pulse: task %.80s... can't be leased (%s): its deliveries will be "
+                         "rejected", task.name, bad_name)
 
         def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                     admitted: bool = False, **kwargs: Any) -> None:
-            headers = message.headers or {}
-            task_id = headers.get("id")
-            if not task_id:  # task protocol 1: not leased
+            try:
+                return leased(message, body, ack, reject, callbacks, admitted, **kwargs)
+            except Exception as exc:  # a bug met by one delivery: never the worker's end
+                if getattr(message, "acknowledged", False):
+                    logger.exception("pulse: intake failed on a settled delivery of %s",
+                                     task.name)
+                else:
+                    logger.debug("pulse: intake failed on a delivery", exc_info=True)
+                    self._rejected(message, task.name, f"pulse could not take it: {exc!r:.200}")
+                return None
+
+        def leased(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                   admitted: bool = False, **kwargs: Any) -> None:
+            headers = message.headers
+            if isinstance(headers, dict) and "id" not in headers and "task" not in headers:
+                # Task protocol 1 (the id is in the body): not leased, Celery's own.
                 return inner(message, body, ack, reject, callbacks, **kwargs)  # type: ignore[no-any-return]
+            why = bad_name or screen.problem(headers, _size(message), self._max_bytes())
+            if why:
+                self._rejected(message, task.name, why)
+                return None
+            task_id = headers["id"]
             retries = int(headers.get("retries") or 0)
             publication = publication_of(headers)
             if task_id in self.inflight:
@@ -405,6 +434,9 @@ class Intake:
             elif isinstance(result, Refusal):
                 self._store_ok()
                 self._refused(result, request, message, body, callbacks, handler)
+            elif isinstance(result, Unstorable):
+                self._store_ok()  # the store answered: about this delivery alone
+                self._rejected(message, request.task_name, result.message)
             elif isinstance(result, Contended):
                 self._contended(request, result)
                 self._again(CONTENDED_RETRY, handler, message, body, callbacks)
@@ -427,6 +459,21 @@ class Intake:
         would tell the store is back could wait behind a paused consumer for good."""
         self.loop.later(delay, functools.partial(handler, admitted=True), message, body,
                         None, None, callbacks)
+
+    def _rejected(self, message: Any, task_name: str, why: str) -> None:
+        """Settle a delivery nobody will run (see :mod:`.screen`), and count it."""
+        self.keeper.counters.rejected += 1
+        screen.reject(message, task_name, why)
+
+    def _max_bytes(self) -> int | None:
+        """The largest body the store keeps in one claim (asked once it answers)."""
+        if self._body_limit is None:
+            try:
+                self._body_limit = (self.keeper.store.max_message_bytes(),)
+            except PulseError as exc:  # asked again with the next delivery
+                logger.debug("pulse: could not ask the store its message limit: %s", exc)
+                return None
+        return self._body_limit[0]
 
     @staticmethod
     def _give_back(message: Any) -> bool:

@@ -421,7 +421,8 @@ class PulseWorker:
                        "store_errors": counters.store_errors,
                        "contended": counters.contended,
                        "exchanges": counters.exchanges,
-                       "exchanged_ops": counters.exchanged_ops},
+                       "exchanged_ops": counters.exchanged_ops,
+                       "rejected": counters.rejected},
             "recover": dict(self.recoverer.counts),
             "leader": None if self.elector is None else {
                 "key": BEAT_KEY, "is_leader": self.elector.is_leader,

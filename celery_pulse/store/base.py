@@ -405,6 +405,14 @@ class ClaimStore(abc.ABC):
         """
         return None
 
+    def max_message_bytes(self) -> int | None:
+        """The largest message body one claim row takes (None: no limit worth checking).
+
+        The intake rejects a bigger delivery before it reaches the store: sent, it would
+        fail the whole batch it travels in, as a driver error, again at every retry.
+        """
+        return None
+
     @abc.abstractmethod
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:

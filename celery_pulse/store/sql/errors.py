@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import sqlalchemy.exc as sa_exc
 
-from celery_pulse.errors import Contended, SchemaMissing, StoreUnavailable
+from celery_pulse.errors import Contended, SchemaMissing, StoreUnavailable, Unstorable
 
 _MISSING_MARKERS = ("no such table", "undefinedtable", "does not exist")
 #: A store that answers but cannot take writes is as good as down for leases.
@@ -21,6 +21,14 @@ CONTENTION_CODES = (1213, 1205)
 _PG_CONTENTION = ("40P01", "40001")
 #: MySQL/MariaDB: no such table.
 _NO_TABLE_CODE = 1146
+#: MySQL/MariaDB errors about the values sent, not the store: a statement over
+#: ``max_allowed_packet`` (the server then drops the connection, so the driver reports it
+#: like an outage), data too long, an incorrect string value, out of range, truncated.
+_MYSQL_DATA_CODES = (1153, 1301, 1406, 1366, 1264, 1292)
+#: PostgreSQL SQLSTATE classes about the values sent: data exception (22: too long, bad
+#: encoding, a NUL), program limit exceeded (54: a row too big for an index).
+_PG_DATA_CLASSES = ("22", "54")
+
 
 
 #: The MySQL/MariaDB drivers' modules: PyMySQL and mysqlclient put the error number first
@@ -39,6 +47,17 @@ def mysql_code(orig: BaseException | None) -> int | None:
     return code if isinstance(code, int) else None
 
 
+def _about_the_values(orig: BaseException, code: int | None) -> bool:
+    """Whether the store refused what was sent (one row's values), not the operation:
+    the DB-API's ``DataError``, and the codes above."""
+    if code in _MYSQL_DATA_CODES:
+        return True
+    sqlstate = getattr(orig, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate[:2] in _PG_DATA_CLASSES:
+        return True
+    return any(cls.__name__ == "DataError" for cls in type(orig).__mro__)
+
+
 def translate(orig: BaseException, where: str, lost_connection: bool) -> Exception | None:
     """The pulse error for a driver error ``orig``; None: re-raise it as it is (a bug).
 
@@ -50,6 +69,9 @@ def translate(orig: BaseException, where: str, lost_connection: bool) -> Excepti
     code = mysql_code(orig)
     if code == _NO_TABLE_CODE:
         return SchemaMissing()
+    if _about_the_values(orig, code):
+        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+        return Unstorable(f"the store refused it ({type(orig).__name__}: {first[:200]})")
     if code in CONTENTION_CODES or getattr(orig, "sqlstate", None) in _PG_CONTENTION:
         return Contended(f"store contended during {where}: {orig}")
     if (any(marker in text for marker in _MISSING_MARKERS) and "relation" in text) or (

@@ -97,8 +97,35 @@ def _claimable(row: Any) -> bool:
                 or (row.state == RUNNING and row.policy == "redispatch" and row.expired))
 
 
+#: Of ``max_allowed_packet``, what the reservation statement's text and the row's other
+#: columns may need besides the body (bytes).
+_PACKET_HEADROOM = 1 << 20
+
+
+def _chunks(batch: list[tuple[int, ReserveRequest]], packet: int | None
+            ) -> list[list[tuple[int, ReserveRequest]]]:
+    """``batch`` in statements of at most ``_CHUNK`` rows and, with big messages, of
+    bodies adding up to at most ``packet`` bytes: over ``max_allowed_packet`` the server
+    drops the connection, as an outage would."""
+    if packet is None:
+        return [batch[i:i + _CHUNK] for i in range(0, len(batch), _CHUNK)]
+    chunks: list[list[tuple[int, ReserveRequest]]] = [[]]
+    size = 0
+    for item in batch:
+        grows = len(item[1].message.body)
+        if chunks[-1] and (size + grows > packet or len(chunks[-1]) >= _CHUNK):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += grows
+    return chunks
+
+
 class MySqlStore(SqlStore):
     """A :class:`~celery_pulse.store.base.Store` on MySQL/MariaDB (see the module doc)."""
+
+    #: The server's ``max_allowed_packet`` (bytes), once asked.
+    _packet: int | None = None
 
     # -- transactions -------------------------------------------------------------------
     def _atomic(self, where: str, body: Callable[[sa.Connection], T]) -> T:
@@ -202,17 +229,28 @@ class MySqlStore(SqlStore):
         raise NotRegistered(f"{worker_id}: registration expired", reason=NotRegistered.EXPIRED)
 
     # -- reservations -------------------------------------------------------------------
+    def max_message_bytes(self) -> int | None:
+        """What ``max_allowed_packet`` leaves for the body once the statement's other
+        columns have their share, with each byte of the body counted twice: PyMySQL sends
+        bytes as hex, the C drivers escape them (twice the size at worst). Asked once."""
+        if self._packet is None:
+            with translated("max_message_bytes"), self.engine.connect() as conn:
+                self._packet = int(conn.exec_driver_sql(
+                    "SELECT @@max_allowed_packet").scalar_one())
+        return max(self._packet - _PACKET_HEADROOM, 0) // 2
+
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:
         if not requests:
             return []
         rounds = _rounds(list(enumerate(requests)), lambda item: item[1].task_id)
+        packet = self.max_message_bytes() if any(
+            len(r.message.body) > _PACKET_HEADROOM // 2 for r in requests) else None
 
         def body(conn: sa.Connection) -> list[Grant | Refusal]:
             out: list[Grant | Refusal | None] = [None] * len(requests)
             for batch in rounds:
-                for start in range(0, len(batch), _CHUNK):
-                    chunk = batch[start:start + _CHUNK]
+                for chunk in _chunks(batch, packet):
                     answers = self._reserve_locked(conn, holder, [r for _, r in chunk], ttl)
                     for (i, _), answer in zip(chunk, answers, strict=True):
                         out[i] = answer

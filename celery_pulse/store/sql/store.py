@@ -96,6 +96,8 @@ _OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY:
 _CHUNK = 500
 #: Attempts of one reservation round that meets a deadlock (PostgreSQL).
 _ROUND_ATTEMPTS = 4
+#: The largest message body a claim row takes on PostgreSQL and SQLite (bytes).
+_MAX_FIELD_BYTES = 1_000_000_000 - (1 << 20)
 #: Which answer of :meth:`SqlStore.complete` wins for a task id completed twice in a call.
 _RANK = {"evidence": 0, "duplicate": 1, "applied": 2}
 
@@ -356,6 +358,11 @@ class SqlStore(Store):
             f"RETURNING task_id, epoch, token, lease_until, attempts, state")
         self._reserve_sql_cache[rows] = sql
         return sql
+
+    def max_message_bytes(self) -> int | None:
+        """PostgreSQL keeps at most 1 GB in a bytea value, SQLite in a blob
+        (``SQLITE_MAX_LENGTH``); a little is left for the row's other columns."""
+        return _MAX_FIELD_BYTES
 
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:
