@@ -146,6 +146,7 @@ def test_a_store_outage_at_the_prefetch_limit_keeps_asking_the_store_and_holds_n
     timers: list[tuple[Any, tuple[Any, ...]]] = []
     keeper = SimpleNamespace(
         counters=Counters(), unstarted=lambda: 0, get=lambda task_id: None,
+        store=SimpleNamespace(max_message_bytes=lambda: None),
         submit_reserve=lambda request, on_result, urgent: submitted.append(
             (request.task_id, on_result)))
     pulse = SimpleNamespace(
