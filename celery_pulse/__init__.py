@@ -17,14 +17,16 @@ from celery_pulse.errors import (
     Taken,
     Terminal,
 )
+from celery_pulse.inprocess import InProcessLease, current_lease
 from celery_pulse.install import install
-from celery_pulse.lease import Lease, current_lease
+from celery_pulse.lease import Lease
 from celery_pulse.settings import Settings
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Contended",
+    "InProcessLease",
     "InvalidConfig",
     "Lease",
     "LeaseLost",

@@ -96,7 +96,11 @@ class Lease:
 
 
 def current_lease() -> Lease | None:
-    """The lease of the task running in this process, or None outside a pulse worker."""
+    """The lease a pulse worker's pool process set for the task it runs, or None.
+
+    The public ``celery_pulse.current_lease`` (:mod:`celery_pulse.inprocess`) adds the
+    lease of tasks run in-process.
+    """
     lease: Lease | None = getattr(_local, "lease", None)
     return lease
 
