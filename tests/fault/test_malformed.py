@@ -11,6 +11,7 @@ import json
 import signal
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,8 +51,9 @@ def _message(task: str, args: list[Any], task_id: Any, **header_changes: Any
 
 
 def _publish(broker_url: str, queue: str,
-             messages: list[tuple[bytes, dict[str, Any], dict[str, Any]]]) -> None:
-    with Connection(broker_url) as conn:
+             messages: list[tuple[bytes, dict[str, Any], dict[str, Any]]],
+             transport_options: dict[str, Any] | None = None) -> None:
+    with Connection(broker_url, transport_options=transport_options) as conn:
         producer = conn.Producer()
         for body, headers, properties in messages:
             producer.publish(body, exchange="", routing_key=queue, headers=headers,
@@ -71,9 +73,11 @@ def _states(env: Env, ids: list[str]) -> dict[str, str]:
     return {row[0]: row[1] for row in rows if row[0] in wanted}
 
 
-def _left_on_broker(broker_url: str, queue: str) -> int:
+def _left_on_broker(broker_url: str, queue: str, transport_options: dict[str, Any]) -> int:
     """Messages of ``queue`` the broker still holds, ready or unacknowledged (the
     worker is dead by then: RabbitMQ has given its unacked ones back)."""
+    if broker_url.startswith("filesystem"):
+        return len(list(Path(transport_options["data_folder_in"]).glob(f"*{queue}*")))
     if broker_url.startswith("amqp"):
         with Connection(broker_url) as conn:
             _name, count, _consumers = conn.default_channel.queue_declare(queue, passive=True)
@@ -102,12 +106,22 @@ BAD_SHAPES: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 
 
-@pytest.mark.parametrize("broker", ["rabbitmq", "redis"])
+@pytest.mark.parametrize("broker", ["rabbitmq", "redis", "embedded"])
 def test_malformed_deliveries_are_settled_and_the_worker_serves_the_rest(
-        broker: str, pg_url: str, request: pytest.FixtureRequest,
+        broker: str, request: pytest.FixtureRequest, tmp_path: Path,
         make_env: Callable[..., Env], workers: Callable[..., Worker]) -> None:
-    broker_url = request.getfixturevalue(f"{broker}_url")
-    env = make_env(pg_url, broker_url, dict(FAST))
+    """On PostgreSQL with RabbitMQ and Redis, and on the embedded default (SQLite and
+    kombu's filesystem:// broker)."""
+    from tests.conftest import filesystem_broker
+
+    options: dict[str, Any] = {}
+    if broker == "embedded":
+        broker_url, conf = filesystem_broker(tmp_path)
+        options = conf["broker_transport_options"]
+        env = make_env(request.getfixturevalue("sqlite_url"), broker_url, {**FAST, **conf})
+    else:
+        broker_url = request.getfixturevalue(f"{broker}_url")
+        env = make_env(request.getfixturevalue("pg_url"), broker_url, dict(FAST))
     env.app = "tests.apps.intakeapp"
     worker = workers(env, f"malformed-{broker}@%h", concurrency=2).wait_ready()
     marker, bad = env.tmp / "good.txt", env.tmp / "bad.txt"
@@ -127,7 +141,7 @@ def test_malformed_deliveries_are_settled_and_the_worker_serves_the_rest(
     long_id = str(uuid.uuid4())
     messages.append(_message(LONG_NAME, [str(bad)], long_id))
     messages.append(_message("intakeapp.mark", [str(marker)], good_ids[-1]))
-    _publish(broker_url, env.queue, messages)
+    _publish(broker_url, env.queue, messages, options)
 
     wait_for(lambda: len(_states(env, good_ids)) == len(good_ids)
              and set(_states(env, good_ids).values()) == {"succeeded"}, 60,
@@ -145,7 +159,7 @@ def test_malformed_deliveries_are_settled_and_the_worker_serves_the_rest(
     assert "Traceback" not in log, log[-4000:]
     worker.signal(signal.SIGKILL)
     worker.wait()
-    assert _left_on_broker(broker_url, env.queue) == 0  # each settled, none left unacked
+    assert _left_on_broker(broker_url, env.queue, options) == 0  # each settled, none unacked
 
 
 
@@ -183,7 +197,7 @@ def test_a_value_the_store_refuses_fails_that_delivery_alone(
     assert "refused" in line.group(0), line.group(0)
     assert bad_id not in _states(env, [bad_id])
     worker.kill()
-    assert _left_on_broker(rabbitmq_url, env.queue) == 0
+    assert _left_on_broker(rabbitmq_url, env.queue, {}) == 0
 
 
 def test_big_deliveries_on_mariadb_are_kept_or_rejected_never_stalled(
@@ -204,4 +218,4 @@ def test_big_deliveries_on_mariadb_are_kept_or_rejected_never_stalled(
     assert len(good_ids) == 2
     assert worker.proc.poll() is None
     worker.kill()
-    assert _left_on_broker(rabbitmq_url, env.queue) == 0
+    assert _left_on_broker(rabbitmq_url, env.queue, {}) == 0
