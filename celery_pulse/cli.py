@@ -17,10 +17,13 @@ from typing import Any, TypeVar
 
 import click
 
+from celery_pulse import cli_format as fmt
 from celery_pulse.errors import PulseError
 from celery_pulse.install import register_pool_alias
 from celery_pulse.settings import Settings
+from celery_pulse.store.base import NEEDS_REVIEW
 from celery_pulse.store.sql import SqlStore, open_store
+from celery_pulse.timefmt import iso
 
 register_pool_alias()
 
@@ -50,10 +53,6 @@ def _store(ctx: click.Context, *, check_schema: bool = True) -> Iterator[SqlStor
         store.close()
 
 
-def _fmt_seconds(value: float) -> str:
-    return f"{value:+.1f}s"
-
-
 @click.group(name="pulse")
 @click.pass_context
 def pulse(ctx: click.Context) -> None:
@@ -81,24 +80,9 @@ def _workers_payload(store: SqlStore) -> list[dict[str, Any]]:
             for w in store.list_workers()]
 
 
-#: Labels shown in the text table: a direct worker's, then a gateway worker's.
-_SHOWN_LABELS = ("pool", "concurrency", "pid", "queues", "gateway", "credential", "queue",
-                 "capacity")
-
-
-def _print_workers(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        click.echo("no workers registered")
-        return
-    width = max(len(r["id"]) for r in rows)
-    click.echo(f"{'WORKER':<{width}}  {'VIA':<7}  {'ALIVE':<5}  {'EXPIRES IN':>10}  LABELS")
-    for r in rows:
-        alive = click.style("yes", fg="green") if r["alive"] else click.style("no ", fg="red")
-        labels = ", ".join(f"{k}={v}" for k, v in sorted(r["labels"].items())
-                           if k in _SHOWN_LABELS)
-        click.echo(f"{r['id']:<{width}}  {r['via']:<7}  {alive:<5}  "
-                   f"{_fmt_seconds(r['expires_in']):>10}  "
-                   f"{labels}" + ("  [draining]" if r["draining"] else ""))
+def _echo(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(line)
 
 
 @pulse.command()
@@ -111,7 +95,7 @@ def workers(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
     else:
-        _print_workers(rows)
+        _echo(fmt.workers_lines(rows))
 
 
 def _leader_payload(store: SqlStore) -> dict[str, Any] | None:
@@ -129,33 +113,45 @@ def _claim_payload(c: Any) -> dict[str, Any]:
             "epoch": c.epoch, "attempts": c.attempts, "max_attempts": c.max_attempts,
             "policy": c.policy,
             "lease_remaining": None if c.lease_remaining is None else round(c.lease_remaining, 3),
-            "outcome": c.outcome, "error": c.error}
+            "outcome": c.outcome, "error": c.error, "created_at": c.created_at,
+            "started_at": c.started_at, "finished_at": c.finished_at}
 
 
 @pulse.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--state", "states", multiple=True,
-              help="Only these states (default: reserved and running).")
+@click.option("--state", "states", multiple=True, callback=fmt.parse_states,
+              help="Only these states, comma-separated or repeated (default: reserved,running; "
+                   f"valid: {','.join(fmt.CLAIM_STATES)}).")
 @click.option("--limit", default=200, show_default=True)
 @click.pass_context
-def claims(ctx: click.Context, as_json: bool, states: tuple[str, ...], limit: int) -> None:
+def claims(ctx: click.Context, as_json: bool, states: list[str], limit: int) -> None:
     """Task claims: holder, epoch, remaining lease (store clock), attempts."""
     with _store(ctx) as store:
-        rows = [_claim_payload(c) for c in
-                store.list_claims(list(states) or ["reserved", "running"], limit=limit)]
+        rows = [_claim_payload(c) for c in store.list_claims(states, limit=limit)]
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
-        return
-    if not rows:
-        click.echo("no claims")
-        return
-    click.echo(f"{'TASK ID':<36}  {'STATE':<12}  {'HOLDER':<20}  {'EPOCH':>5}  "
-               f"{'LEASE':>8}  {'ATTEMPTS':>8}  TASK")
-    for r in rows:
-        lease = "-" if r["lease_remaining"] is None else _fmt_seconds(r["lease_remaining"])
-        click.echo(f"{r['task_id']:<36}  {r['state']:<12}  {r['holder'] or '-':<20}  "
-                   f"{r['epoch']:>5}  {lease:>8}  {r['attempts']:>3}/{r['max_attempts']:<4}  "
-                   f"{r['task']}")
+    else:
+        _echo(fmt.claims_lines(rows))
+
+
+def _review_payload(store: SqlStore) -> list[dict[str, Any]]:
+    """Needs-review items, with when each entered review where the store recorded it.
+
+    ``since`` (kept for scripts) is when the task was reserved. A completion that ends in
+    review sets the claim's ``finished_at``: that is ``entered_review_at``. Recover's
+    move to review records no time (None): ``started_at`` of the lost attempt bounds it.
+    """
+    claims = {c.task_id: c for c in store.list_claims([NEEDS_REVIEW], limit=10_000)}
+    items = []
+    for item in store.list_review():
+        row = dataclasses.asdict(item)
+        c = claims.get(item.task_id)
+        row["started_at"] = None if c is None else c.started_at
+        row["entered_review_at"] = None if c is None else c.finished_at
+        row["entered_review"] = (None if row["entered_review_at"] is None
+                                 else iso(row["entered_review_at"]))
+        items.append(row)
+    return items
 
 
 @pulse.group(invoke_without_command=True)
@@ -166,16 +162,11 @@ def review(ctx: click.Context, as_json: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
     with _store(ctx) as store:
-        items = [dataclasses.asdict(i) for i in store.list_review()]
+        items = _review_payload(store)
     if as_json:
         click.echo(json.dumps(items, indent=2, sort_keys=True))
-        return
-    if not items:
-        click.echo("nothing needs review")
-        return
-    for i in items:
-        click.echo(f"{i['task_id']}  {i['task_name']}  last holder {i['last_holder'] or '-'}  "
-                   f"epoch {i['epoch']}  attempts {i['attempts']}  {i['args_summary']}")
+    else:
+        _echo(fmt.review_lines(items, fmt.app_argument(ctx)))
 
 
 def _who() -> str:
@@ -221,7 +212,8 @@ def _status_payload(ctx: click.Context, store: SqlStore) -> dict[str, Any]:
                "needs_review")}
     problems = []
     if claims["needs_review"]:
-        problems.append(f"{claims['needs_review']} task(s) need review: celery pulse review")
+        problems.append(f"{claims['needs_review']} task(s) need review: "
+                        f"celery -A {fmt.app_argument(ctx)} pulse review")
     if has_schedule and (leader is None or not leader["alive"]):
         problems.append("a schedule exists but no beat leader is alive")
     return {"store": store.url, "store_now": store.now(), "workers": rows,
@@ -230,31 +222,6 @@ def _status_payload(ctx: click.Context, store: SqlStore) -> dict[str, Any]:
             "leader": leader, "schedule": has_schedule, "claims": claims,
             "permits": [dataclasses.asdict(u) for u in store.permit_usage()],
             "needs_attention": problems}
-
-
-def _print_status(payload: dict[str, Any]) -> None:
-    c = payload["claims"]
-    click.echo(click.style("celery-pulse", bold=True) + f"  store {payload['store']}")
-    click.echo(f"workers: {payload['workers_alive']} alive, {payload['workers_dead']} dead")
-    _print_workers(payload["workers"])
-    leader = payload["leader"]
-    if leader is None or not leader["alive"]:
-        line = "leader: none"
-        click.echo(click.style(line, fg="yellow") if payload["schedule"] else line)
-    else:
-        click.echo(f"leader: {leader['holder']} (epoch {leader['epoch']}, lease "
-                   f"{_fmt_seconds(leader['lease_remaining'])})")
-    click.echo(f"claims: {c['running']} running, {c['reserved']} reserved, {c['open']} "
-               f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
-               f"succeeded, {c['failed']} failed, {c['revoked']} revoked")
-    for permit in payload["permits"]:
-        if permit["running"] or permit["waiting"]:
-            click.echo(f"permits {permit['key']}: {permit['running']} of {permit['limit']} "
-                       f"running, {permit['waiting']} waiting")
-    review_line = f"needs review: {c['needs_review']}"
-    click.echo(click.style(review_line, fg="red") if c["needs_review"] else review_line)
-    for problem in payload["needs_attention"]:
-        click.echo(click.style(f"! {problem}", fg="red"))
 
 
 @pulse.command()
@@ -274,7 +241,7 @@ def status(ctx: click.Context, as_json: bool, watch: bool, interval: float) -> N
             else:
                 if watch:
                     click.clear()
-                _print_status(payload)
+                _echo(fmt.status_lines(payload))
             if not watch:
                 break
             try:
