@@ -31,6 +31,7 @@ from collections.abc import Callable
 from celery_pulse.errors import PulseError
 from celery_pulse.leader import LeaderElector
 from celery_pulse.store.base import BeatStore, LeaderGrant, Slot
+from celery_pulse.timefmt import iso
 
 logger = logging.getLogger(__name__)
 
@@ -156,16 +157,17 @@ class Beat:
             self.publish(slot)
         except Exception as exc:
             # Recorded but not published: the next leader (or our next sweep) sends it.
-            logger.error("pulse: publishing slot %s@%s failed: %r", slot.entry, slot.due_at, exc)
+            logger.error("pulse: publishing slot %s@%s failed: %r", slot.entry,
+                         iso(slot.due_at, ms=True), exc)
             self._sweep.set()
             return
         self.fired += 1
         self.store.mark_slot_published(slot.entry, slot.due_at)
-        logger.info("pulse: beat fired %s (%s) for %.3f as %s", slot.entry, slot.task,
-                    slot.due_at, slot.task_id)
+        logger.info("pulse: beat fired %s (%s) for %s as %s", slot.entry, slot.task,
+                    iso(slot.due_at, ms=True), slot.task_id)
 
     def _republish_unpublished(self) -> None:
         for slot in self.store.unpublished_slots():
-            logger.warning("pulse: re-publishing slot %s@%.3f left unpublished by a previous "
-                           "leader", slot.entry, slot.due_at)
+            logger.warning("pulse: re-publishing slot %s@%s left unpublished by a previous "
+                           "leader", slot.entry, iso(slot.due_at, ms=True))
             self._publish(slot)

@@ -114,15 +114,16 @@ class LeaderElector:
             self.deadline = sent + self.ttl - self.margin
             if current is None or grant.token != current.token:
                 self.since = time.time()
-                logger.warning("pulse: %s is now the leader of %s (epoch %d)", self.holder,
-                               self.key, grant.epoch)
+                # A role change is normal operation (start, failover, handover): INFO.
+                logger.info("pulse: %s is now the leader of %s (epoch %d)", self.holder,
+                            self.key, grant.epoch)
                 if self.on_gained is not None:
                     self.on_gained(grant)
 
     def _lose(self, grant: LeaderGrant, reason: str) -> None:
         self.grant = None
         self.since = None
-        logger.warning("pulse: %s lost leadership of %s (epoch %d): %s", self.holder, self.key,
-                       grant.epoch, reason)
+        logger.info("pulse: %s lost leadership of %s (epoch %d): %s", self.holder, self.key,
+                    grant.epoch, reason)
         if self.on_lost is not None:
             self.on_lost(grant)

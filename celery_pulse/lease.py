@@ -82,8 +82,9 @@ class Lease:
         return LeaseLost(self.lost_message() + detail)
 
     def lost_message(self) -> str:
-        return (f"lease lost for task {self.task_id} epoch {self.epoch} "
-                f"(held by {self.holder}): stop applying side effects")
+        # Not "held by": read as who holds the task now, it named the stale holder.
+        return (f"lease lost for task {self.task_id} epoch {self.epoch}: this attempt, on "
+                f"{self.holder}, no longer holds the task; stop applying side effects")
 
     def fenced(self, conn: Any) -> AbstractContextManager[Any]:
         """Run a block of writes on the store's database that commits only while we hold.

@@ -812,8 +812,11 @@ class LeaseKeeper:
             claim.lost_at = self.monotonic()
         claim.lost_reason = reason
         self.counters.lost += 1
-        logger.warning("pulse: lease lost for task %s epoch %d (%s, was %s)",
-                       claim.task_id, claim.epoch, reason, was)
+        # A task running in a pool process gets LeaseLost, and its process logs the one
+        # WARNING line about it (who held it, who holds it now): this one is the detail.
+        level = logging.INFO if was == RUNNING and claim.pid is not None else logging.WARNING
+        logger.log(level, "pulse: lease lost for task %s epoch %d (%s, was %s)",
+                   claim.task_id, claim.epoch, reason, was)
         # A lost reservation stays in the table (state LOST) so the pool drops it
         # instead of running it when its turn comes.
         self.listener.on_lost(claim)

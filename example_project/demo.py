@@ -177,7 +177,7 @@ class Fact:
 LOG_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("lease-lost", re.compile(r"pulse: lease lost for task (?P<task>\S+) epoch (?P<epoch>\d+) "
                               r"\((?P<detail>.*), was \w+\)")),
-    ("task-leaselost", re.compile(r"Task \S+\[(?P<task>[^\]]+)\] raised unexpected: LeaseLost")),
+    ("task-leaselost", re.compile(r"pulse: task \S+\[(?P<task>[^\]]+)\] lost its lease: was held")),
     ("recovered", re.compile(r"pulse: recovered \S+\[(?P<task>[^\]]+)\] \(was \w+\): "
                              r"(?P<detail>re-dispatched as epoch (?P<epoch>\d+)|.*)")),
     ("leader", re.compile(r"pulse: \S+ is now the leader of beat \(epoch (?P<epoch>\d+)\)")),

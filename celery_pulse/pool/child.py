@@ -15,13 +15,18 @@ start itself (``start_in_child``). In the child it:
    state there, so a chord counts, and ``AsyncResult.get()`` sees, only the attempt
    that holds the lease. The lease is checked right before each write, so the window
    is one local check wide;
-5. with the ``pulse://`` backend, keeps the attempt's outcome instead of writing it and
+5. says, in one WARNING line, what became of a task whose lease was lost (who held it at
+   which epoch, who holds it now): Celery's own line for that failure is its "raised
+   expected" INFO line, without a traceback (``LeaseLost`` is in the task's ``throws``),
+   since a stale attempt stopping is the design working, not a bug;
+6. with the ``pulse://`` backend, keeps the attempt's outcome instead of writing it and
    returns it with the tracer's result (:data:`RECORDED`): the parent writes it in the
    completion's transaction, fenced by the store (no window at all, no SQL here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -31,10 +36,12 @@ from types import CodeType, FrameType
 from typing import Any
 
 from celery_pulse.backend import carried_by_completions, deferred_result, record_fields
-from celery_pulse.errors import PulseError
+from celery_pulse.errors import LeaseLost, PulseError
 from celery_pulse.lease import Lease, _set_current, current_lease
 from celery_pulse.pool.slots import DeadlineTable
+from celery_pulse.store.base import LIVE_STATES, OPEN
 from celery_pulse.store.sql.fence import make_fencer
+from celery_pulse.store.sql.holders import holding_of
 
 logger = logging.getLogger(__name__)
 
@@ -166,12 +173,47 @@ def _unless_lost(method: Any, name: str) -> Any:
     def write(*args: Any, **kwargs: Any) -> Any:
         lease = current_lease()
         if lease is not None and lease.lost:
-            logger.warning("pulse: not writing %s for task %s epoch %d to the result "
-                           "backend: this attempt lost its lease", name, lease.task_id,
-                           lease.epoch)
+            # INFO: the designed end of a stale attempt, told in the lost-lease WARNING.
+            logger.info("pulse: not writing %s for task %s epoch %d to the result "
+                        "backend: this attempt lost its lease", name, lease.task_id,
+                        lease.epoch)
             return None
         return method(*args, **kwargs)
     return write
+
+
+def _expect_lease_lost(task: Any) -> None:
+    """Put LeaseLost in the task's ``throws``: Celery then logs its failure at INFO, with
+    no traceback ("raised expected"); the task still ends FAILURE with LeaseLost."""
+    throws = getattr(task, "throws", None)
+    if task is None or not isinstance(throws, tuple) or LeaseLost in throws:
+        return
+    with contextlib.suppress(AttributeError, TypeError):
+        task.throws = (*throws, LeaseLost)
+
+
+def _now_held(lease: Lease) -> str:
+    """Who holds the task now, by the store, for the log line (never decides anything)."""
+    try:
+        holding = holding_of(_child_store().engine, lease.task_id)
+    except PulseError as exc:
+        return f"who holds it now is unknown (the store did not answer: {exc})"
+    if holding is None:
+        return "its claim is gone"
+    if (holding.holder, holding.epoch) == (lease.holder, lease.epoch):
+        return "nobody has taken it over yet"
+    if holding.state in (*LIVE_STATES, OPEN) and holding.holder:
+        return f"{holding.holder} holds epoch {holding.epoch} ({holding.state})"
+    return f"it is {holding.state} at epoch {holding.epoch}"
+
+
+def _report_lost(lease: Lease, name: str) -> None:
+    try:
+        logger.warning("pulse: task %s[%s] lost its lease: was held by %s at epoch %d; %s",
+                       name, lease.task_id, lease.holder, lease.epoch, _now_held(lease))
+    except Exception:  # a log line must never break the pool process
+        logger.debug("pulse: could not report the lost lease of %s", lease.task_id,
+                     exc_info=True)
 
 
 def _install_handler() -> None:
@@ -212,6 +254,7 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
     _armed = (lease, _task_codes(args[0]))
     _set_current(lease)
     task = _context.app.tasks.get(args[0])
+    _expect_lease_lost(task)
     backend = None if task is None else task.backend
     _guard_backend(backend)
     try:
@@ -224,4 +267,6 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         return value
     finally:
         _armed = None
+        if lease.raised:
+            _report_lost(lease, args[0])
         _set_current(None)

@@ -39,7 +39,7 @@ def test_a_charge_that_lost_its_lease_goes_to_review_and_writes_nothing(
     result = send(celery_setup, "charge", "order-2", 990, 30.0)  # a slow provider call
     celery_setup.wait_for_claim(result.id, "running")
     celery_setup.expire_lease(result.id)  # as if the worker had stopped renewing
-    celery_worker.assert_log_exists(f"[{result.id}] raised unexpected: LeaseLost", timeout=10)
+    celery_worker.assert_log_exists(f"[{result.id}] lost its lease: was held by", timeout=10)
     celery_setup.wait_for_claim(result.id, "needs_review")
     assert rows(celery_setup, ledger, order_id="order-2") == []
 
