@@ -33,7 +33,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.exceptions import EncodeError
 
 from celery_pulse.errors import InvalidConfig, StoreUnavailable
-from celery_pulse.settings import STORE_SCHEMES, Settings, mask_url
+from celery_pulse.settings import STORE_SCHEMES, Settings, canonical_store_url, mask_url
 from celery_pulse.store.base import ResultRecord
 
 #: The states a pool child hands to its parent instead of writing them: those that end
@@ -110,7 +110,7 @@ def store_url_for(url: str | None, conf: Any) -> str:
             f"result_backend: {mask_url(url)!r} names no pulse store; use 'pulse://' (the "
             f"store of pulse_store_url) or 'pulse+<store url>' with one of "
             f"{', '.join(STORE_SCHEMES)}")
-    return url
+    return canonical_store_url(url)
 
 
 def same_store(a: Any, b: Any) -> bool:

@@ -18,9 +18,12 @@ from urllib.parse import urlsplit, urlunsplit
 from celery_pulse.errors import InvalidConfig
 
 #: URL schemes the SQL store understands (SQLAlchemy dialect+driver names).
-STORE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgresql", "postgresql+psycopg",
+STORE_SCHEMES = ("sqlite", "sqlite+pysqlite", "postgres", "postgresql", "postgresql+psycopg",
                  *(f"{family}{driver}" for family in ("mysql", "mariadb")
                    for driver in ("", "+pymysql", "+mysqldb", "+mariadbconnector")))
+#: PostgreSQL schemes that name no driver: Django's and Heroku's ``postgres://`` and
+#: SQLAlchemy's own ``postgresql://`` (which would pick psycopg2). pulse speaks psycopg 3.
+POSTGRES_ALIASES = ("postgres", "postgresql")
 ON_LOST_POLICIES = ("redispatch", "review")
 #: The per-task options pulse reads (``@app.task(pulse_max_attempts=3)``); a unit test
 #: checks these are exactly the ``getattr(task, "pulse_...")`` names in the package.
@@ -32,6 +35,16 @@ DEFAULT_STORE_DIR = ".celery-pulse"
 def default_store_url() -> str:
     """The embedded default: a SQLite file in ``./.celery-pulse/`` (no server needed)."""
     return "sqlite:///" + os.path.abspath(os.path.join(DEFAULT_STORE_DIR, "pulse.sqlite3"))
+
+
+def canonical_store_url(url: str) -> str:
+    """``url`` as the store opens it: a driverless PostgreSQL scheme (``postgres://``,
+    ``postgresql://``) becomes ``postgresql+psycopg://``; anything else is unchanged.
+    The one place these names are mapped, so every consumer compares the same URL."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in POSTGRES_ALIASES:
+        return "postgresql+psycopg://" + rest
+    return url
 
 
 def mask_url(url: str) -> str:
@@ -54,7 +67,8 @@ class Settings:
 
     store_url: str = dataclasses.field(
         default_factory=default_store_url,
-        metadata=_doc("SQLAlchemy URL of the store (PostgreSQL via psycopg 3, "
+        metadata=_doc("SQLAlchemy URL of the store (PostgreSQL via psycopg 3, whether the "
+                      "URL says `postgres://`, `postgresql://` or `postgresql+psycopg://`; "
                       "MySQL/MariaDB via PyMySQL unless the URL names mysqldb or "
                       "mariadbconnector, or SQLite).",
                       "SQLite file ./.celery-pulse/pulse.sqlite3"),
@@ -132,6 +146,7 @@ class Settings:
                               ("leader_interval", "leader_ttl")):
             if getattr(self, interval) == 0.0:
                 object.__setattr__(self, interval, getattr(self, ttl) / 3.0)
+        object.__setattr__(self, "store_url", canonical_store_url(self.store_url))
         object.__setattr__(self, "concurrency_limits",
                            _limits("pulse_concurrency_limits", self.concurrency_limits))
         self._validate()

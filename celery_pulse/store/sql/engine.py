@@ -1,5 +1,14 @@
 """Engine construction: SQLite gets WAL + busy timeout; PostgreSQL and MySQL/MariaDB get
-bounded connects (and MySQL a session fit for lease decisions)."""
+bounded connects (and MySQL a session fit for lease decisions).
+
+SQLite under several processes: every write transaction starts ``BEGIN IMMEDIATE`` (it
+takes the write lock up front and waits for it up to the busy timeout; a deferred
+transaction that read first and then writes would fail at once with SQLITE_BUSY when
+another writer got in between, whatever the timeout). A connection marked
+:data:`READ_ONLY` starts no transaction at all: each of its statements reads a WAL
+snapshot on its own, which no writer blocks, so a process frozen inside a write
+transaction (SIGSTOP, a GC pause) stalls the other writers, never the reads.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from celery_pulse.errors import InvalidConfig
+from celery_pulse.settings import canonical_store_url
+
 #: How long a SQLite writer waits for the lock held by another process.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
@@ -17,15 +29,22 @@ PG_CONNECT_TIMEOUT_S = 5
 #: only a process paused mid-transaction (SIGSTOP, a frozen VM) meets it: its row locks
 #: (a beat slot, the leader's row, claims) are freed in seconds, not when it wakes.
 IDLE_IN_TRANSACTION_S = 2
+#: The execution option of a connection that only reads, each statement on its own
+#: (``engine.connect().execution_options(**{READ_ONLY: True})``): on SQLite it begins no
+#: transaction, so it never waits for the write lock (see the module doc).
+READ_ONLY = "pulse_read_only"
+#: What to install for ``postgresql+psycopg://`` (psycopg 3 is an extra, not a dependency).
+PG_INSTALL = 'pip install "celery-pulse-leases[postgres]"'
 
 
 def make_engine(url: str) -> sa.Engine:
     """An engine for ``url``, configured for several worker processes sharing the store."""
-    parsed = make_url(url)
+    parsed = make_url(canonical_store_url(url))
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
     if parsed.get_backend_name() in ("mysql", "mariadb"):
         return _mysql_engine(parsed)
+    _require("psycopg", "psycopg", PG_INSTALL)
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
     engine = sa.create_engine(parsed, pool_size=4, max_overflow=8,
                               connect_args=connect_args)
@@ -52,22 +71,26 @@ MYSQL_DRIVERS = {
 }
 
 
-def _mysql_driver(parsed: sa.URL) -> str:
-    """The driver a MySQL/MariaDB URL names, checked to be importable."""
+def _require(driver: str, module: str, install: str) -> None:
+    """Raise InvalidConfig (with what to install) unless ``module`` imports: one line,
+    not the ImportError's traceback from deep inside SQLAlchemy."""
     import importlib
 
-    from celery_pulse.errors import InvalidConfig
-
-    driver = parsed.get_driver_name() if "+" in parsed.drivername else "pymysql"
-    if driver not in MYSQL_DRIVERS:
-        raise InvalidConfig(f"pulse_store_url: unsupported MySQL/MariaDB driver {driver!r}; "
-                            f"use one of {', '.join(MYSQL_DRIVERS)}", setting="pulse_store_url")
-    module, install = MYSQL_DRIVERS[driver]
     try:
         importlib.import_module(module)
     except ImportError:
         raise InvalidConfig(f"pulse_store_url: the {driver} driver is not installed: {install}",
                             setting="pulse_store_url") from None
+
+
+def _mysql_driver(parsed: sa.URL) -> str:
+    """The driver a MySQL/MariaDB URL names, checked to be importable."""
+    driver = parsed.get_driver_name() if "+" in parsed.drivername else "pymysql"
+    if driver not in MYSQL_DRIVERS:
+        raise InvalidConfig(f"pulse_store_url: unsupported MySQL/MariaDB driver {driver!r}; "
+                            f"use one of {', '.join(MYSQL_DRIVERS)}", setting="pulse_store_url")
+    module, install = MYSQL_DRIVERS[driver]
+    _require(driver, module, install)
     return driver
 
 
@@ -157,6 +180,7 @@ def _sqlite_engine(parsed: sa.URL) -> sa.Engine:
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: sa.Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        if not conn.get_execution_options().get(READ_ONLY):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import sqlalchemy.exc as sa_exc
 
@@ -83,6 +84,60 @@ def translate(orig: BaseException, where: str, lost_connection: bool) -> Excepti
     if lost_connection or any(m in text for m in _UNWRITABLE_MARKERS):
         return StoreUnavailable(f"store unavailable during {where}: {first_line}")
     return None
+
+
+#: MySQL/MariaDB errors a connection attempt meets that no retry can fix: unknown
+#: database, access denied (to the server, to the database), unknown host (mysqlclient).
+_MYSQL_PERMANENT = (1049, 1045, 1044, 2005)
+#: PostgreSQL's connection failures that no retry can fix, by libpq's FATAL text (a
+#: failed connection carries no SQLSTATE): 3D000 (database "x" does not exist; also
+#: role "x"), 28P01 (password authentication failed), 28000 (no pg_hba.conf entry).
+_PG_PERMANENT = ("does not exist", "password authentication failed", "no pg_hba.conf entry")
+#: A host name the resolver says does not exist (EAI_NONAME, EAI_NODATA), in the words
+#: of libc (psycopg resolves names itself); "Temporary failure in name resolution"
+#: (EAI_AGAIN) is left to the retries.
+_UNKNOWN_NAME = ("name or service not known", "nodename nor servname",
+                 "no address associated with hostname")
+
+
+def refused_for_good(exc: BaseException) -> str | None:
+    """Why a failed connection attempt can never succeed (a missing database, bad
+    credentials, an unknown host), or None when retrying may help (connection refused,
+    the server starting up, a timeout). ``exc``: the driver error or SQLAlchemy's
+    wrapper of it, or a pulse error raised from one. The answer is the driver's own
+    first line (it names the database, user or host; it never carries the password)."""
+    orig = _driver_error(exc)
+    if orig is None:
+        return None
+    text = str(orig).lower()
+    unknown_name = any(marker in text for marker in _UNKNOWN_NAME)
+    code = mysql_code(orig)
+    if code is not None:
+        permanent = code in _MYSQL_PERMANENT or (code == 2003 and unknown_name)
+    else:  # psycopg
+        permanent = unknown_name or any(marker in text for marker in _PG_PERMANENT)
+    return driver_message(orig) if permanent else None
+
+
+def driver_message(exc: BaseException) -> str:
+    """The driver's own words for ``exc`` (or the error that caused it), without its
+    framing: PyMySQL's ``(1049, "...")`` tuple, libpq's "connection to server at ...
+    failed: FATAL:" (the URL, masked, says which server)."""
+    orig = _driver_error(exc) or exc
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    text = str(args[1]) if len(args) >= 2 and isinstance(args[0], int) else str(orig)
+    text = text.strip().splitlines()[0] if text.strip() else type(orig).__name__
+    return text.rpartition("failed: ")[2].replace("FATAL:  ", "").strip() or text
+
+
+def _driver_error(exc: BaseException) -> BaseException | None:
+    """The DB-API driver's exception behind ``exc`` (itself, SQLAlchemy's ``orig``, or a
+    ``__cause__`` down the chain); None if no driver error is behind it."""
+    orig: BaseException | None = exc
+    while orig is not None and not type(orig).__module__.startswith(("psycopg",
+                                                                    *_MYSQL_DRIVERS)):
+        orig = getattr(orig, "orig", None) or orig.__cause__
+    return orig
 
 
 @contextmanager

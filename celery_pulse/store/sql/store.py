@@ -67,8 +67,8 @@ from celery_pulse.store.base import (
 from celery_pulse.store.sql import migrate
 from celery_pulse.store.sql import permits as _permits
 from celery_pulse.store.sql.dialect import Dialect
-from celery_pulse.store.sql.engine import make_engine
-from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.engine import READ_ONLY, make_engine
+from celery_pulse.store.sql.errors import driver_message, refused_for_good, translated
 from celery_pulse.store.sql.results import ResultRows, fenced_upsert_cte, fenced_upsert_params
 from celery_pulse.store.sql.tables import (
     beat_slots,
@@ -169,11 +169,12 @@ class SqlStore(Store):
         """A connection for reads that need no transaction around them.
 
         On PostgreSQL: autocommit, so a poll costs one round trip instead of three
-        (BEGIN, the query, ROLLBACK): the leader's beat polls every second.
+        (BEGIN, the query, ROLLBACK): the leader's beat polls every second. On SQLite:
+        no ``BEGIN IMMEDIATE`` either, so a writer holding the file's lock never blocks it.
         """
         if self.dialect.is_postgres:
             return self._autocommit.connect()
-        return self.engine.connect()
+        return self.engine.connect().execution_options(**{READ_ONLY: True})
 
     @functools.cached_property
     def credentials(self) -> SqlCredentials:
@@ -1119,7 +1120,10 @@ def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True
     """Open the store at ``url``, waiting up to ``connect_timeout`` for it to answer.
 
     Raises InvalidConfig (naming ``pulse_store_url``, password masked) when it never
-    answers, and SchemaMissing when the schema is absent or old.
+    answers, at once when no retry can help (no such database, bad credentials, an
+    unknown host: :func:`refused_for_good`), and SchemaMissing when the schema is
+    absent or old. A refused connection is retried: a store starting after its workers
+    is normal.
     """
     store = store_on(make_engine(url))
     deadline = time.monotonic() + connect_timeout
@@ -1129,11 +1133,17 @@ def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True
             store.now()
             break
         except StoreUnavailable as exc:
+            if (reason := refused_for_good(exc)) is not None:
+                store.close()
+                raise InvalidConfig(f"pulse_store_url: cannot open the store at "
+                                    f"{mask_url(url)}: {reason}",
+                                    setting="pulse_store_url") from exc
             if time.monotonic() + delay > deadline:
                 store.close()
                 raise InvalidConfig(
                     f"pulse_store_url: cannot reach the store at {mask_url(url)} "
-                    f"after {connect_timeout:g}s: {exc}", setting="pulse_store_url") from exc
+                    f"after {connect_timeout:g}s: {driver_message(exc)}",
+                    setting="pulse_store_url") from exc
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
     if check_schema:
