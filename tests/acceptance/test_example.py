@@ -93,9 +93,35 @@ STORY: list[tuple[str, list[tuple[str, str]]]] = [
 ]
 
 
+#: The top-level modules of every extra (``pip install -e .`` installs none of them).
+EXTRAS_MODULES = ("psycopg", "pymysql", "MySQLdb", "mariadb", "redis", "prometheus_client",
+                  "websockets", "pytest_celery", "flower", "trustme", "hypothesis")
+
+
+def without_extras(tmp_path: Path) -> dict[str, str]:
+    """:func:`base_env` as on a plain install: importing any extra's module fails, in the
+    demo and in every worker it starts (they inherit ``PYTHONPATH``)."""
+    stubs = tmp_path / "no-extras"
+    for module in EXTRAS_MODULES:
+        (stubs / module).mkdir(parents=True)
+        (stubs / module / "__init__.py").write_text(
+            f"raise ModuleNotFoundError({f'No module named {module!r}'!r}, name={module!r})\n")
+    env = base_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(stubs), env["PYTHONPATH"]])
+    return env
+
+
+def test_the_readme_runs_the_demo_on_a_plain_install() -> None:
+    commands = re.findall(r"^python3 -m venv .*$", (ROOT / "README.md").read_text(), re.M)
+    demo = [c for c in commands if c.endswith("-m example_project.demo")]
+    assert demo == ["python3 -m venv .venv && .venv/bin/pip install -e . && "
+                    ".venv/bin/python -m example_project.demo"], commands
+
+
 def test_demo_tells_the_whole_story_in_under_a_minute(tmp_path: Path) -> None:
+    """On a plain install: no extra is importable (the README's command installs none)."""
     code, out, took = run_bounded([sys.executable, "-m", "example_project.demo"], tmp_path,
-                                  base_env(), timeout=DEMO_LIMIT + 60)
+                                  without_extras(tmp_path), timeout=DEMO_LIMIT + 60)
     assert code == 0, out[-6000:]
     assert took < DEMO_LIMIT, f"the demo took {took:.0f}s:\n{out[-3000:]}"
     position = 0
