@@ -61,6 +61,9 @@ def test_a_worker_start_logs_no_alembic_lines_and_leadership_at_info(
     w = workers(env, "starting@%h").wait_ready()
     w.wait_log(r"is now the leader of beat", timeout=15)
     log = w.log()
-    assert not [ln for ln in log.splitlines() if "alembic" in ln.lower()], log
+    # Celery's log format has no logger name: Alembic's lines are known by their text.
+    alembic = re.compile(r"alembic|Context impl \w+|Will assume \S+ DDL|Running upgrade",
+                         re.IGNORECASE)
+    assert not [ln for ln in log.splitlines() if alembic.search(ln)], log
     (leader,) = [ln for ln in log.splitlines() if "is now the leader of beat" in ln]
     assert "INFO/MainProcess" in leader, leader
