@@ -31,7 +31,6 @@ _MYSQL_DATA_CODES = (1153, 1301, 1406, 1366, 1264, 1292)
 _PG_DATA_CLASSES = ("22", "54")
 
 
-
 #: The MySQL/MariaDB drivers' modules: PyMySQL and mysqlclient put the error number first
 #: in ``args``; MariaDB Connector/Python keeps it in ``errno``.
 _MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mariadb")
