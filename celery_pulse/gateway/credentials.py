@@ -1,274 +1,32 @@
-"""Gateway credentials: who may connect to the lease gateway, and which queues it may consume.
+"""The old path of the credential contract, kept for imports written against it.
 
-Rules:
-
-* A token is ``pgw1_<credential_id>_<secret>``: the id (32 lowercase hex) is public and
-  finds the record; the secret (32 random bytes, URL-safe base64 without padding) is
-  shown once, when the credential is created, and never stored, logged or shown again.
-  The store keeps only its :func:`digest`.
-* Every way a token can fail (malformed, unknown id, wrong secret, revoked) raises the
-  same :class:`Unauthenticated` with the same message, so a caller learns nothing
-  about which it was. The digest is compared in constant time.
-* Authorisation is separate: a credential holds *scopes* (:data:`CONNECT` to open a
-  session, :data:`CONSUME` to take tasks) and the *queues* it may consume;
-  :meth:`Credential.require` raises :class:`Forbidden` naming what is missing.
-  Asking for :data:`CONSUME` without a queue is refused at creation.
-* Revocation is permanent and takes effect at the next :meth:`CredentialStore.authenticate`
-  (seed 003: the credential's validity is checked again for consuming operations, not
-  only at the handshake). Revoking twice changes nothing.
-* Store implementations see the digest only: minting, validation and the comparison
-  live here, in :class:`CredentialStore`'s concrete methods.
-
-No Celery, no SQL: the SQL store is :mod:`celery_pulse.store.sql.credentials`.
+The contract is a store contract and lives with them, in
+:mod:`celery_pulse.store.credentials`: the SQL store implements it without importing the
+gateway, and the gateway checks tokens against it.
 """
 
 from __future__ import annotations
 
-import abc
-import base64
-import dataclasses
-import hashlib
-import hmac
-import re
-import secrets
-import threading
-import time
-from collections.abc import Callable, Iterable
+from celery_pulse.store.credentials import (
+    CONNECT,
+    CONSUME,
+    MAX_LENGTH,
+    PREFIX,
+    SCOPES,
+    Credential,
+    CredentialStore,
+    Forbidden,
+    MemoryCredentials,
+    Unauthenticated,
+    checked,
+    digest,
+    is_credential_id,
+    mint,
+    not_found,
+    parse_token,
+    taken,
+)
 
-from celery_pulse.errors import InvalidConfig, NotFound, PulseError
-
-CONNECT = "workers:connect"
-CONSUME = "workers:consume"
-SCOPES = frozenset({CONNECT, CONSUME})
-
-#: Token format version; a future format gets a new prefix, never a reinterpretation.
-PREFIX = "pgw1_"
-_TOKEN = re.compile(r"pgw1_([0-9a-f]{32})_([A-Za-z0-9_-]{43})")
-_ID = re.compile(r"[0-9a-f]{32}")
-#: Operator-chosen names: something a shell and a log line carry without quoting.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,254}")
-#: Column widths of the SQL store (names, queues and who-did-it).
-MAX_LENGTH = 255
-#: Compared against when the id is unknown, so that path does the same work.
-_NO_DIGEST = "0" * 64
-
-
-class Unauthenticated(PulseError):
-    """The credential is unknown, malformed or revoked."""
-
-
-class Forbidden(PulseError):
-    """The credential does not grant this operation."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Credential:
-    """A gateway credential as stored (never its secret)."""
-
-    credential_id: str
-    name: str
-    scopes: frozenset[str]
-    #: Queues it may consume, sorted.
-    queues: tuple[str, ...]
-    created_at: float
-    created_by: str
-    revoked_at: float | None = None
-    revoked_by: str | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.revoked_at is None
-
-    def allows(self, scope: str, queue: str | None = None) -> bool:
-        """Whether this credential, not revoked, grants ``scope`` (and ``queue``, if given)."""
-        return (self.active and scope in self.scopes
-                and (queue is None or queue in self.queues))
-
-    def require(self, scope: str, queue: str | None = None) -> None:
-        """Raise unless :meth:`allows`: :class:`Unauthenticated` if revoked (as
-        :meth:`CredentialStore.authenticate` would), else :class:`Forbidden` naming the
-        scope or the queue."""
-        if not self.active:
-            raise Unauthenticated()
-        if scope not in self.scopes:
-            raise Forbidden(f"the credential does not grant {scope}")
-        if queue is not None and queue not in self.queues:
-            raise Forbidden(f"the credential may not consume queue {queue!r}")
-
-
-def mint() -> tuple[str, str, str]:
-    """A fresh ``(credential_id, secret, token)``."""
-    credential_id = secrets.token_hex(16)
-    secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
-    return credential_id, secret, f"{PREFIX}{credential_id}_{secret}"
-
-
-def parse_token(token: str) -> tuple[str, str]:
-    """``(credential_id, secret)`` of a token; :class:`Unauthenticated` on anything else
-    (wrong type, prefix, length or alphabet, surrounding whitespace, a secret that is
-    not the canonical encoding of 32 bytes)."""
-    if not isinstance(token, str) or len(token) != len(PREFIX) + 32 + 1 + 43:
-        raise Unauthenticated()
-    match = _TOKEN.fullmatch(token)
-    if match is None:
-        raise Unauthenticated()
-    credential_id, secret = match.groups()
-    # 43 characters carry 258 bits: the last one must leave the 2 spare bits zero, or
-    # several spellings would be the same secret.
-    raw = base64.urlsafe_b64decode(secret + "=")
-    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != secret:
-        raise Unauthenticated()
-    return credential_id, secret
-
-
-def digest(secret: str) -> str:
-    """The stored form of a secret: SHA-256, hex.
-
-    A fast hash is right here, unlike for passwords: the secret is 256 bits from the OS
-    random source, so there is no dictionary to try and brute force is out of reach
-    whatever the hash costs; a slow KDF would only make each gateway handshake (and
-    each re-check before a consuming operation) expensive. Compare with
-    :func:`hmac.compare_digest`, never ``==``.
-    """
-    return hashlib.sha256(secret.encode("ascii")).hexdigest()
-
-
-def is_credential_id(value: str) -> bool:
-    return _ID.fullmatch(value) is not None
-
-
-def checked(name: str, scopes: Iterable[str], queues: Iterable[str]
-            ) -> tuple[str, frozenset[str], tuple[str, ...]]:
-    """Validate a new credential's fields: ``(name, scopes, sorted distinct queues)``,
-    or :class:`InvalidConfig` saying what is wrong."""
-    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
-        raise InvalidConfig(
-            f"invalid credential name {name!r}: 1-{MAX_LENGTH} characters of letters, digits "
-            f"and ._:@+- starting with a letter or digit")
-    if is_credential_id(name):
-        raise InvalidConfig(f"invalid credential name {name!r}: 32 hex digits would read as "
-                            f"a credential id")
-    wanted = frozenset(scopes)
-    unknown = sorted(wanted - SCOPES)
-    if unknown:
-        raise InvalidConfig(f"unknown scope(s) {', '.join(map(repr, unknown))}: "
-                            f"known scopes are {', '.join(sorted(SCOPES))}")
-    if not wanted:
-        raise InvalidConfig(f"a credential needs at least one scope ({', '.join(sorted(SCOPES))})")
-    queue_list = tuple(sorted(set(queues)))
-    for queue in queue_list:
-        if (not isinstance(queue, str) or not queue.strip() or len(queue) > MAX_LENGTH
-                or not queue.isprintable()):
-            raise InvalidConfig(f"invalid queue name {queue!r}")
-    if CONSUME in wanted and not queue_list:
-        raise InvalidConfig(f"{CONSUME} needs at least one queue the credential may consume")
-    return name, wanted, queue_list
-
-
-def _who(who: str) -> str:
-    # Audit only: a longer user@host is cut to the column's width rather than refused.
-    return who[:MAX_LENGTH]
-
-
-class CredentialStore(abc.ABC):
-    """Where gateway credentials live (see the module's rules)."""
-
-    def create_credential(self, name: str, scopes: Iterable[str], queues: Iterable[str],
-                          who: str) -> tuple[Credential, str]:
-        """A new credential and its token, the only time the token exists outside its
-        holder. :class:`InvalidConfig` on an invalid or taken name, an unknown scope,
-        or :data:`CONSUME` without queues."""
-        name, wanted, queue_list = checked(name, scopes, queues)
-        credential_id, secret, token = mint()
-        record = self._insert(credential_id, name, wanted, queue_list, digest(secret),
-                              _who(who))
-        return record, token
-
-    def authenticate(self, token: str) -> Credential:
-        """The active credential ``token`` belongs to; :class:`Unauthenticated` if it is
-        malformed, unknown, revoked or its secret is wrong (one message for all)."""
-        credential_id, secret = parse_token(token)
-        found = self._lookup(credential_id)
-        stored = found[1] if found is not None else _NO_DIGEST
-        matches = hmac.compare_digest(digest(secret), stored)
-        if found is None or not matches or not found[0].active:
-            raise Unauthenticated()
-        return found[0]
-
-    def revoke_credential(self, name_or_id: str, who: str) -> Credential:
-        """Revoke by name or id, for good. Already revoked: returned unchanged (who and
-        when of the first revocation kept). :class:`NotFound` if there is no such."""
-        return self._revoke(name_or_id, _who(who))
-
-    @abc.abstractmethod
-    def list_credentials(self, include_revoked: bool = True) -> list[Credential]:
-        """Every credential (or only active ones), by name."""
-
-    @abc.abstractmethod
-    def get_credential(self, credential_id: str) -> Credential | None:
-        """The credential with this id, revoked or not; None if there is none."""
-
-    @abc.abstractmethod
-    def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
-                queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:
-        """Store a validated credential, created now by the store clock;
-        :class:`InvalidConfig` if ``name`` is taken (decided by the write itself)."""
-
-    @abc.abstractmethod
-    def _lookup(self, credential_id: str) -> tuple[Credential, str] | None:
-        """The record and its secret's digest."""
-
-    @abc.abstractmethod
-    def _revoke(self, name_or_id: str, who: str) -> Credential:
-        """:meth:`revoke_credential` on the store."""
-
-
-def taken(name: str) -> InvalidConfig:
-    return InvalidConfig(f"a credential named {name!r} already exists (revoked ones keep "
-                         f"their name): choose another name")
-
-
-def not_found(name_or_id: str) -> NotFound:
-    return NotFound(f"no credential named or with id {name_or_id!r}")
-
-
-class MemoryCredentials(CredentialStore):
-    """In-memory credentials for unit tests; ``clock`` is the store clock."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._rows: dict[str, tuple[Credential, str]] = {}
-
-    def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
-                queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:
-        with self._lock:
-            if any(c.name == name for c, _ in self._rows.values()):
-                raise taken(name)
-            record = Credential(credential_id, name, scopes, queues, self._clock(), who)
-            self._rows[credential_id] = (record, secret_digest)
-            return record
-
-    def _lookup(self, credential_id: str) -> tuple[Credential, str] | None:
-        with self._lock:
-            return self._rows.get(credential_id)
-
-    def _revoke(self, name_or_id: str, who: str) -> Credential:
-        with self._lock:
-            for credential_id, (record, stored) in self._rows.items():
-                if name_or_id in (record.name, credential_id):
-                    if record.active:
-                        record = dataclasses.replace(record, revoked_at=self._clock(),
-                                                     revoked_by=who)
-                        self._rows[credential_id] = (record, stored)
-                    return record
-        raise not_found(name_or_id)
-
-    def list_credentials(self, include_revoked: bool = True) -> list[Credential]:
-        with self._lock:
-            rows = [c for c, _ in self._rows.values() if include_revoked or c.active]
-        return sorted(rows, key=lambda c: c.name)
-
-    def get_credential(self, credential_id: str) -> Credential | None:
-        found = self._lookup(credential_id)
-        return None if found is None else found[0]
+__all__ = ["CONNECT", "CONSUME", "MAX_LENGTH", "PREFIX", "SCOPES", "Credential",
+           "CredentialStore", "Forbidden", "MemoryCredentials", "Unauthenticated", "checked",
+           "digest", "is_credential_id", "mint", "not_found", "parse_token", "taken"]

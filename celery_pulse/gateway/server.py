@@ -7,7 +7,7 @@ The rules, before any code:
   endpoint takes no query: a credential in the URL would end up in access logs, so any
   query string is refused before the credential is looked at.
 * **Who may connect.** ``Authorization: Bearer <token>`` only, checked in the handshake
-  against the store (hashed, :mod:`celery_pulse.gateway.credentials`): the credential
+  against the store (hashed, :mod:`celery_pulse.store.credentials`): the credential
   must be active and grant ``workers:connect``. Every consuming operation checks again,
   in the store, that it is still active and grants ``workers:consume`` on the session's
   queue: a revoked credential's sessions end at their next operation.
@@ -59,14 +59,6 @@ from websockets.typing import Subprotocol
 from celery_pulse.backend import DEFERRED_STATES, carried_by_completions, deferred_result
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
-from celery_pulse.gateway.credentials import (
-    CONNECT,
-    CONSUME,
-    Credential,
-    CredentialStore,
-    Forbidden,
-    Unauthenticated,
-)
 from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
@@ -81,6 +73,14 @@ from celery_pulse.gateway.session import (
     Sessions,
 )
 from celery_pulse.store.base import Store
+from celery_pulse.store.credentials import (
+    CONNECT,
+    CONSUME,
+    Credential,
+    CredentialStore,
+    Forbidden,
+    Unauthenticated,
+)
 
 logger = logging.getLogger(__name__)
 

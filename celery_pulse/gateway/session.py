@@ -39,8 +39,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from celery_pulse.gateway.credentials import digest
 from celery_pulse.gateway.frames import Code, Hello, ProtocolError, new_id
+from celery_pulse.store.credentials import digest
 
 #: Replies remembered per instance for deduplication.
 REPLIES_KEPT = 4096

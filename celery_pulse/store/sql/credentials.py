@@ -1,5 +1,5 @@
 """Gateway credentials in SQL (``pulse_credentials``; the contract and its rules are in
-:mod:`celery_pulse.gateway.credentials`).
+:mod:`celery_pulse.store.credentials`).
 
 Only the digest of a secret reaches this module, and so the table. A name is taken by
 the insert itself (an upsert that changes nothing when the unique name exists, then a
@@ -17,7 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_pulse.gateway.credentials import (
+from celery_pulse.store.credentials import (
     Credential,
     CredentialStore,
     is_credential_id,
