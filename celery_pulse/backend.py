@@ -21,8 +21,6 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -32,14 +30,18 @@ from celery.exceptions import ImproperlyConfigured
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from kombu.exceptions import EncodeError
 
+from celery_pulse.deferral import DEFERRED_STATES as DEFERRED_STATES
+from celery_pulse.deferral import StoreResults
+from celery_pulse.deferral import carried_by_completions as carried_by_completions
+from celery_pulse.deferral import deferral as _deferral
+from celery_pulse.deferral import deferred_result as deferred_result
+from celery_pulse.deferral import same_store as same_store
 from celery_pulse.errors import InvalidConfig, StoreUnavailable
 from celery_pulse.settings import STORE_SCHEMES, Settings, canonical_store_url, mask_url
 from celery_pulse.store.base import ResultRecord
 
-#: The states a pool child hands to its parent instead of writing them: those that end
-#: an attempt. ``STARTED`` (``task_track_started``) is written at once, to be seen while
-#: the task runs.
-DEFERRED_STATES = frozenset({*states.READY_STATES, states.RETRY})
+# The Celery-free spelling of the deferred states must stay Celery's own.
+assert frozenset({*states.READY_STATES, states.RETRY}) == DEFERRED_STATES
 
 
 #: A message header naming the publication (see celery_pulse.install.stamp_publication):
@@ -48,33 +50,11 @@ DEFERRED_STATES = frozenset({*states.READY_STATES, states.RETRY})
 FIXED_PUBLICATION_HEADER = "pulse_pub_fixed"
 
 
-class _Deferral(threading.local):
-    task_id: str | None = None
-    record: ResultRecord | None = None
-    #: The chord part's request (``id``, ``group``, ``chord``) when the task is one.
-    chord: dict[str, Any] | None = None
-
-
 class _Precounted(threading.local):
     value: int | None = None
 
 
-_deferral = _Deferral()
 _precounted = _Precounted()
-
-
-@contextmanager
-def deferred_result(task_id: str) -> Iterator[_Deferral]:
-    """In a ``-P pulse`` pool child, around one attempt of ``task_id``: its outcome is not
-    written but kept in ``.record`` (and a chord part's request in ``.chord``), for the
-    parent's fenced completion to write and count (in the completion's transaction, only
-    if the attempt still holds its lease). No SQL in the child.
-    """
-    _deferral.task_id, _deferral.record, _deferral.chord = task_id, None, None
-    try:
-        yield _deferral
-    finally:
-        _deferral.task_id = None
 
 
 def _plain_json_encoder(serializer: str, compression: Any) -> Any:
@@ -113,31 +93,7 @@ def store_url_for(url: str | None, conf: Any) -> str:
     return canonical_store_url(url)
 
 
-def same_store(a: Any, b: Any) -> bool:
-    """Whether two store URLs (strings or SQLAlchemy URLs) name one database: a
-    completion in one can carry a result for the other. The driver and the password
-    don't matter; the query does (a PostgreSQL ``search_path`` is another schema)."""
-    from sqlalchemy.engine import make_url
-
-    def key(url: Any) -> tuple[Any, ...]:
-        parsed = make_url(url)
-        database = parsed.database
-        if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
-            database = os.path.realpath(database)
-        return (parsed.get_backend_name(), parsed.username, parsed.host, parsed.port,
-                database, sorted(parsed.query.items()))
-
-    return key(a) == key(b)
-
-
-def carried_by_completions(backend: Any, store_url: Any) -> bool:
-    """Whether ``backend`` keeps its results in the store at ``store_url`` (``pulse://``
-    or ``pulse+`` that store): then a fenced completion there writes them. A
-    ``pulse+<url>`` backend on a store of its own is written as any backend is."""
-    return isinstance(backend, PulseBackend) and same_store(backend.store_url, store_url)
-
-
-class PulseBackend(KeyValueStoreBackend):  # type: ignore[misc]
+class PulseBackend(KeyValueStoreBackend, StoreResults):  # type: ignore[misc]
     """Celery results in the pulse store (``pulse://``)."""
 
     key_t = str

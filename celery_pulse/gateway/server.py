@@ -56,7 +56,7 @@ from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from celery_pulse.backend import DEFERRED_STATES, carried_by_completions, deferred_result
+from celery_pulse.deferral import DEFERRED_STATES, carried_by_completions, deferred_result
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
