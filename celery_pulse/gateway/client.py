@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -48,64 +47,21 @@ from websockets.typing import Subprotocol
 from celery_pulse.errors import PulseError
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.gateway.replies import (
+    FATAL,
+    KEPT,
+    SAFETY_MARGIN,
+    Answer,
+    Assigned,
+    GatewayClosed,
+    Pending,
+)
+
+#: The records, re-exported: :mod:`celery_pulse.gateway.worker` and tests import them here.
+__all__ = ["FATAL", "KEPT", "SAFETY_MARGIN", "Answer", "Assigned", "GatewayClient",
+           "GatewayClosed"]
 
 logger = logging.getLogger(__name__)
-
-#: Subtracted from every lease's duration for the local deadline (request time is
-#: deducted too: the deadline counts from when the request was sent).
-SAFETY_MARGIN = 2.0
-FATAL = (Code.UNAUTHENTICATED, Code.FORBIDDEN)
-#: Assignments remembered (a lost one's late finish still goes out as evidence).
-KEPT = 4096
-
-
-class GatewayClosed(PulseError):
-    """The gateway client is closed (or lost its authority for good)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Assigned:
-    """A ``task.assign``: the Celery message and the attempt's reference."""
-
-    task_id: str  # the Celery task id
-    name: str
-    #: The Celery message: body (base64), content_type, content_encoding, headers,
-    #: properties, delivery_info.
-    message: Mapping[str, Any]
-    ref: Mapping[str, str]  # task_id, attempt_id, epoch, lease_secret (wire form)
-    lease_until: str
-    received: float  # monotonic
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Answer:
-    """A reply to one operation; ``deadline`` (monotonic) while its lease is active."""
-
-    body: Mapping[str, Any]
-    deadline: float | None
-
-    @property
-    def active(self) -> bool:
-        lease = self.body.get("lease") or {}
-        return bool(lease.get("active"))
-
-    @property
-    def disposition(self) -> str | None:
-        receipt = self.body.get("receipt") or {}
-        value = receipt.get("disposition")
-        return None if value is None else str(value)
-
-
-class _Pending:
-    __slots__ = ("answer", "done", "error", "frame", "sent")
-
-    def __init__(self, frame: dict[str, Any]) -> None:
-        self.frame = frame
-        self.done = threading.Event()
-        self.answer: dict[str, Any] | None = None
-        self.error: PulseError | None = None
-        self.sent = 0.0
-
 
 class GatewayClient:
     """One worker instance's connection to a gateway (see the module's rules)."""
@@ -129,7 +85,7 @@ class GatewayClient:
         self._sequence = 0
         self._conn: ClientConnection | None = None
         self._lock = threading.Lock()
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._held: dict[str, Mapping[str, str]] = {}  # attempt_id -> ref, to resume
         #: (Celery task id, epoch) -> the assignment, until it is finished or lost.
         self._by_task: dict[tuple[str, int], Assigned] = {}
@@ -230,7 +186,7 @@ class GatewayClient:
         """Send one operation until it is answered (across reconnects); its answer, or
         the gateway's error as :class:`ProtocolError`."""
         message_id = frames.new_id()
-        pending = _Pending({"protocol_version": frames.PROTOCOL_VERSION, "type": kind,
+        pending = Pending({"protocol_version": frames.PROTOCOL_VERSION, "type": kind,
                             "message_id": message_id, "body": dict(body)})
         with self._lock:
             if self._fatal is not None:
@@ -341,7 +297,7 @@ class GatewayClient:
         with contextlib.suppress(ConnectionClosed, OSError):  # the reader starts over
             conn.send(json.dumps(frame))
 
-    def _send(self, pending: _Pending) -> None:
+    def _send(self, pending: Pending) -> None:
         with self._lock:
             conn, session_id = self._conn, self.session_id
         if conn is None:

@@ -26,27 +26,24 @@ The rules, before any code:
   except for frames that break the transport's rules (binary: close 1003; too large:
   1009) and for authority lost mid-session (close 1008).
 
-Store calls block, so they run in threads (``asyncio.to_thread``), each under
-``store_timeout``; the event loop never waits on SQL. An instance with a current session
-is a registered worker (:mod:`celery_pulse.gateway.presence`), as a direct worker is.
+The asyncio shell (websockets' ``serve``): the HTTP handshake and each connection's
+hello and read loop live here; what an accepted frame does, and dispatch, in
+:mod:`celery_pulse.gateway.operations`; a connection's writer and bounds in
+:mod:`celery_pulse.gateway.link`; the protocol's rules, with no I/O, in
+:mod:`celery_pulse.gateway.frames`, :mod:`~celery_pulse.gateway.session` and
+:mod:`~celery_pulse.gateway.receipts`. An instance with a current session is a
+registered worker (:mod:`celery_pulse.gateway.presence`), as a direct worker is.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import functools
-import json
 import logging
-import os
-import socket
 import ssl
-import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -56,22 +53,14 @@ from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from celery_pulse.deferral import DEFERRED_STATES, carried_by_completions, deferred_result
-from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
-from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
-from celery_pulse.gateway.presence import Presence
-from celery_pulse.gateway.session import (
-    FINISHED,
-    LEASED,
-    RUNNING,
-    Attempt,
-    Instance,
-    Session,
-    Sessions,
-)
+from celery_pulse.gateway.link import Closing, Limits, Link, server_ssl_context, suppress_closing
+from celery_pulse.gateway.operations import Operations
+from celery_pulse.gateway.outcomes import RemoteTaskError
+from celery_pulse.gateway.receipts import DISPOSITIONS, OUTCOME_STATES, holder_name
+from celery_pulse.gateway.session import RUNNING, Instance, Session, Sessions
 from celery_pulse.store.base import Store
 from celery_pulse.store.credentials import (
     CONNECT,
@@ -82,82 +71,16 @@ from celery_pulse.store.credentials import (
     Unauthenticated,
 )
 
+#: What ``celery pulse gateway`` and the tests import from here, wherever it lives now.
+__all__ = ["DISPOSITIONS", "OUTCOME_STATES", "PATH", "Gateway", "Limits", "Link",
+           "RemoteTaskError", "holder_name", "server_ssl_context"]
+
 logger = logging.getLogger(__name__)
 
 PATH = "/v1/worker/connect"
-T = TypeVar("T")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Limits:
-    """The seed's bounds (§6): a development baseline, not load-tested figures."""
-
-    max_connections: int = 128
-    inbound_frames: int = 4
-    outbound_frames: int = 8
-    hello_timeout: float = 5.0
-    read_idle: float = 60.0
-    write_timeout: float = 5.0
-    store_timeout: float = 8.0
-    #: How long a session lives without an operation (the seed's 45 s window).
-    session_ttl: float = 45.0
-    #: The longest execution lease the gateway grants (the seed's 30 s).
-    lease_ttl: float = 30.0
-
-
-class _Closing(Exception):
-    """End this connection with ``code`` after sending ``error`` (if any)."""
-
-    def __init__(self, code: int, reason: str, error: ProtocolError | None = None) -> None:
-        super().__init__(reason)
-        self.code, self.reason, self.error = code, reason, error
-
-
-class Link:
-    """One connection's writer: a bounded queue of frames and one task writing them,
-    each write under the write deadline."""
-
-    def __init__(self, conn: ServerConnection, limits: Limits) -> None:
-        self.conn = conn
-        self.limits = limits
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue(limits.outbound_frames)
-        self._task = asyncio.create_task(self._write())
-
-    def pending(self) -> int:
-        """Frames queued and not yet written."""
-        return self._queue.qsize()
-
-    def send(self, frame: Frame) -> None:
-        try:
-            self._queue.put_nowait(frames.encode(frame))
-        except asyncio.QueueFull:
-            raise _Closing(CloseCode.POLICY_VIOLATION, "slow consumer: outbound queue full"
-                           ) from None
-
-    async def _write(self) -> None:
-        while True:
-            text = await self._queue.get()
-            if text is None:
-                return
-            try:
-                await asyncio.wait_for(self.conn.send(text), self.limits.write_timeout)
-            except (TimeoutError, ConnectionClosed):
-                logger.info("pulse gateway: dropping %s: write did not complete",
-                            self.conn.remote_address)
-                self.conn.transport.abort()
-                return
-
-    async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
-        """Write what is queued (within the write deadline), then close."""
-        try:
-            self._queue.put_nowait(None)
-            await asyncio.wait_for(asyncio.shield(self._task), self.limits.write_timeout)
-        except (asyncio.QueueFull, TimeoutError):
-            self._task.cancel()
-        await self.conn.close(code, reason)
-
-
-class Gateway:
+class Gateway(Operations):
     """The server: handshake checks, then one :meth:`_serve_connection` per worker."""
 
     def __init__(self, credentials: CredentialStore, now: Callable[[], float], *,
@@ -165,37 +88,18 @@ class Gateway:
                  store: Store | None = None, app: Any = None, on_lost: str | None = None,
                  max_attempts: int = 3, name: str | None = None,
                  events: GatewayEvents | None = None) -> None:
-        self.credentials = credentials
-        #: The store's clock (``server_time``, ``expires_at``): never this host's.
-        self.now = now
         limits = limits or Limits()
         if lease_ttl is not None:
             limits = dataclasses.replace(limits, lease_ttl=min(lease_ttl, limits.lease_ttl))
-        self.limits = limits
-        #: Where claims live, and the Celery app whose broker and tasks are dispatched;
-        #: without them the gateway only keeps sessions (no task is assigned).
-        self.store, self.app = store, app
-        self.on_lost, self.max_attempts = on_lost, max_attempts
+        super().__init__(now, limits, store=store, app=app, on_lost=on_lost,
+                         max_attempts=max_attempts, name=name, events=events)
+        self.credentials = credentials
         self.sessions = Sessions(on_replaced=self._replaced)
         #: Credentials the handshake accepted, until their connection's handler takes
         #: them (or the handshake fails after the check: :meth:`_process_response`).
         self._accepted: dict[ServerConnection, Credential] = {}
         #: Connections being served (what the connection limit counts).
         self._live: set[ServerConnection] = set()
-        self._links: dict[str, Link] = {}  # session_id -> its connection's writer
-        self._feeders: dict[str, Feeder] = {}  # instance_id -> its queue's consumer
-        self._holders: dict[str, str] = {}  # instance_id -> its holder name in the store
-        self._loop: asyncio.AbstractEventLoop | None = None
-        #: Celery events on the instances' behalf (Flower), or None.
-        self.events = events
-        self._background: set[asyncio.Future[None]] = set()
-        #: Whether finishes carry their results (:meth:`_carried`; None: not asked yet).
-        self._carries: bool | None = None
-        #: This gateway in its instances' registry labels, and who asks for their drains.
-        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        #: The instances' rows in the worker registry (none without a store).
-        self.presence = None if store is None else Presence(
-            store, self._store, ttl=self.limits.session_ttl, gateway=self.name)
 
     # -- the handshake ----------------------------------------------------------------
     async def _process_request(self, conn: ServerConnection, request: Request
@@ -247,9 +151,9 @@ class Gateway:
         try:
             instance, session = await self._hello(conn, link, credential)
             await self._operate(conn, link, credential, instance, session)
-        except _Closing as closing:
+        except Closing as closing:
             if closing.error is not None:
-                with _suppress_closing():
+                with suppress_closing():
                     link.send(frames.error_frame(closing.error, _sid(session)))
             await link.close(closing.code, closing.reason)
         except ConnectionClosed:
@@ -278,7 +182,7 @@ class Gateway:
             try:
                 data = await asyncio.wait_for(conn.recv(), max(left, 0.0))
             except TimeoutError:
-                raise _Closing(CloseCode.POLICY_VIOLATION, "no worker.hello in time",
+                raise Closing(CloseCode.POLICY_VIOLATION, "no worker.hello in time",
                                ProtocolError(Code.HELLO_TIMEOUT,
                                              f"send worker.hello within "
                                              f"{self.limits.hello_timeout:g} s")) from None
@@ -298,7 +202,7 @@ class Gateway:
                 exc.reply_to = frame.message_id
                 fatal = exc.code in (Code.UNAUTHENTICATED, Code.FORBIDDEN)
                 if fatal:
-                    raise _Closing(CloseCode.POLICY_VIOLATION, exc.code, exc) from None
+                    raise Closing(CloseCode.POLICY_VIOLATION, exc.code, exc) from None
                 link.send(frames.error_frame(exc, None))
                 continue
             self._links[session.session_id] = link
@@ -309,7 +213,7 @@ class Gateway:
                 instance.close(session)
                 self._links.pop(session.session_id, None)
                 exc.reply_to = frame.message_id
-                raise _Closing(CloseCode.TRY_AGAIN_LATER, exc.code, exc) from None
+                raise Closing(CloseCode.TRY_AGAIN_LATER, exc.code, exc) from None
             link.send(Frame("worker.welcome", frames.new_id(), body, session.session_id,
                             frame.message_id))
             if self.presence is not None:
@@ -331,12 +235,12 @@ class Gateway:
             try:
                 data = await asyncio.wait_for(conn.recv(), self.limits.read_idle)
             except TimeoutError:
-                raise _Closing(CloseCode.POLICY_VIOLATION, "read idle") from None
+                raise Closing(CloseCode.POLICY_VIOLATION, "read idle") from None
             frame = self._decode(link, data, session.session_id)
             if frame is None:
                 continue
             if not instance.is_current(session):
-                raise _Closing(CloseCode.POLICY_VIOLATION, "session replaced", ProtocolError(
+                raise Closing(CloseCode.POLICY_VIOLATION, "session replaced", ProtocolError(
                     Code.SESSION_MISMATCH, "a newer session of this instance replaced this one",
                     reply_to=frame.message_id))
             try:
@@ -374,227 +278,8 @@ class Gateway:
             except ProtocolError as exc:
                 exc.reply_to = frame.message_id
                 if exc.code in (Code.UNAUTHENTICATED, Code.FORBIDDEN):
-                    raise _Closing(CloseCode.POLICY_VIOLATION, exc.code, exc) from None
+                    raise Closing(CloseCode.POLICY_VIOLATION, exc.code, exc) from None
                 link.send(frames.error_frame(exc, session.session_id))
-
-    async def _apply(self, instance: Instance, session: Session, frame: Frame
-                     ) -> dict[str, Any]:
-        """One operation of a current, authorised session (not a repeat)."""
-        if frame.type == "worker.capacity":
-            update: frames.CapacityUpdate = frame.body
-            before = instance.capacity.drain
-            declared = instance.declare(update.sequence, update.capacity, update.drain)
-            if declared.drain and not before and self.presence is not None:
-                self.presence.drain(self._holders[instance.instance_id],
-                                    self._drain_requester(instance))
-            self._feed(instance)
-            return await self._welcome(instance, session)
-        fenced = self._fenced(instance)
-        if frame.type == "task.finish":
-            finish: frames.Finish = frame.body
-            attempt = instance.attempt(*_ref(finish.ref))
-            answer, written = await self._store(self._settle, fenced, attempt, finish)
-            attempt.state = FINISHED
-            feeder = self._feeders.get(instance.instance_id)
-            if feeder is not None:
-                feeder.room()
-            if answer == "applied":
-                if not written:
-                    await self._write_result(attempt, finish)
-                if self.events is not None:
-                    self._spawn(self.events.send(
-                        "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
-                        self._holders[instance.instance_id], uuid=attempt.task_id,
-                        exception=finish.error_code or "", result=""))
-            now = await self._store(self.now)
-            state = {"applied": OUTCOME_STATES[finish.outcome],
-                     "duplicate": OUTCOME_STATES[finish.outcome]}.get(answer, "UNKNOWN")
-            return _command("finish", state, "FINISHED", attempt, None, DISPOSITIONS[answer],
-                            {"active": False, "state": state, "lease_until": None,
-                             "server_time": _timestamp(now)})
-        ref: frames.AttemptRef = frame.body
-        attempt = instance.attempt(*_ref(ref))
-        if attempt.state == FINISHED:
-            raise ProtocolError(Code.LEASE_LOST, "this attempt has finished")
-        if frame.type == "worker.resume":
-            # Attempts belong to the instance, not to a connection: nothing moves but the
-            # answer, which is the lease as the store has it now (not extended).
-            lease = await self._lease_now(instance, frame)
-            return {"lease": lease, "deduplicated": False}
-        sent = time.monotonic()
-        if frame.type == "task.start":
-            lease_until = await self._store(fenced.start, attempt)
-            if lease_until is None:
-                attempt.state = FINISHED
-                raise ProtocolError(Code.LEASE_LOST,
-                                    "attempt no longer grants execution authority")
-            attempt.state, attempt.lease_until = RUNNING, lease_until
-            attempt.deadline = sent + self.limits.lease_ttl
-            if self.events is not None:
-                self._spawn(self.events.send("task-started", self._holders[instance.instance_id],
-                                             uuid=attempt.task_id))
-            # The start's own statement time: its lease_until is that plus the lease.
-            now = lease_until - self.limits.lease_ttl
-            return _command("start", "RUNNING", "RUNNING", attempt, lease_until, "APPLIED",
-                            _lease(True, "RUNNING", lease_until, now))
-        # task.renew: only a running attempt is renewed (the seed's rule).
-        if attempt.state != RUNNING:
-            raise ProtocolError(Code.STATE_CONFLICT, "only a started attempt is renewed")
-        now = await self._store(self.now)
-        renewed = await self._store(fenced.renew, attempt)
-        if renewed is False:
-            attempt.state = FINISHED
-            raise ProtocolError(Code.LEASE_LOST, "attempt no longer grants execution authority")
-        if renewed:
-            # At least this long: the store's now during the renewal was no earlier.
-            attempt.lease_until = now + self.limits.lease_ttl
-            attempt.deadline = sent + self.limits.lease_ttl
-        return _command("renew", "RUNNING", "RUNNING", attempt, attempt.lease_until,
-                        "APPLIED" if renewed else "BUSY",
-                        _lease(True, "RUNNING", attempt.lease_until, now))
-
-    async def _lease_now(self, instance: Instance, frame: Frame) -> dict[str, Any]:
-        """The attempt's lease as the store has it now (``active`` false when lost)."""
-        body = frame.body
-        ref = body.ref if isinstance(body, frames.Finish) else body
-        attempt = instance.attempt(*_ref(ref))
-        now = await self._store(self.now)
-        held = await self._store(self._fenced(instance).status, attempt)
-        if held is None:
-            return _lease(False, attempt.state if attempt.state == FINISHED else "LOST", None,
-                          now)
-        state, lease_until = held
-        wire = "RUNNING" if state == "running" else LEASED
-        return _lease(wire == "RUNNING", wire, lease_until, now)
-
-    def _settle(self, fenced: Fenced, attempt: Attempt, finish: frames.Finish
-                ) -> tuple[str, bool]:
-        """The finish in the store (blocking: a thread's), and whether it wrote the result
-        too: with the ``pulse://`` backend on this store the result goes in the
-        completion's transaction, as a direct worker's does (one round trip, and never a
-        settled claim without its result)."""
-        backend = self._backend()
-        state, call = self._result_call(backend, attempt, finish)
-        record = None
-        if call is not None and state in DEFERRED_STATES and self._carried(backend):
-            with deferred_result(attempt.task_id) as deferral:
-                call()  # kept in deferral.record, not written
-            record = deferral.record
-        answer = fenced.finish(attempt, finish.outcome, finish.error_code, record)
-        return answer, record is not None
-
-    def _carried(self, backend: Any) -> bool:
-        """Whether this store's completions can carry ``backend``'s results: asked once
-        (neither the store nor the app's backend URL changes), not on every finish."""
-        if self._carries is None:
-            url = getattr(self.store, "url", None)
-            self._carries = url is not None and carried_by_completions(backend, url)
-        return self._carries
-
-    def _backend(self) -> Any:
-        """The app's result backend (Celery's is per thread: ask in the thread using it)."""
-        return getattr(self.app, "backend", None) if self.app is not None else None
-
-    @staticmethod
-    def _result_call(backend: Any, attempt: Attempt, finish: frames.Finish
-                     ) -> tuple[str | None, Callable[[], Any] | None]:
-        """The Celery state of a finish and the backend call that stores it (None for
-        UNKNOWN, whose outcome a human decides, or with no backend)."""
-        if backend is None or finish.outcome == "UNKNOWN":
-            return None, None
-        from celery import states
-
-        meta = finish.result.get("celery_meta") if isinstance(finish.result, dict) else None
-        if isinstance(meta, dict) and isinstance(meta.get("status"), str):
-            # A Celery worker's own meta (celery_pulse.gateway.worker): its state, result
-            # (an exception already in Celery's JSON form) and traceback, as it wrote them.
-            return meta["status"], functools.partial(
-                backend.store_result, attempt.task_id, meta.get("result"), meta["status"],
-                traceback=meta.get("traceback"))
-        if finish.outcome == "SUCCEEDED":
-            return states.SUCCESS, functools.partial(
-                backend.store_result, attempt.task_id, finish.result, states.SUCCESS)
-        error = RemoteTaskError(f"{finish.error_code}: {json.dumps(finish.result)[:1000]}")
-        return states.FAILURE, functools.partial(
-            backend.store_result, attempt.task_id, error, states.FAILURE)
-
-    async def _write_result(self, attempt: Attempt, finish: frames.Finish) -> None:
-        """The outcome in the app's result backend, once the store applied it (a stale
-        attempt's never is): for a backend the completion can't carry."""
-        _, call = self._result_call(self._backend(), attempt, finish)
-        if call is None:
-            return
-        try:
-            await self._store(call)
-        except ProtocolError as exc:  # the claim is settled; the result is lost, say so
-            logger.warning("pulse gateway: result of %s[%s] not stored: %s",
-                           attempt.task_name, attempt.task_id, exc.message)
-
-    # -- dispatch ---------------------------------------------------------------------
-    def _fenced(self, instance: Instance) -> Fenced:
-        if self.store is None:
-            raise ProtocolError(Code.NOT_FOUND, "no such attempt on this gateway")
-        return Fenced(self.store, self._holders[instance.instance_id], self.limits.lease_ttl)
-
-    def _feed(self, instance: Instance) -> None:
-        """Start consuming the instance's queue once it declared room (idempotent)."""
-        if self.store is None or self.app is None or instance.instance_id in self._feeders:
-            return
-        loop = asyncio.get_running_loop()
-
-        def free() -> int:
-            link = self._link_of(instance)
-            if link is None or link.pending() * 2 >= self.limits.outbound_frames:
-                return 0  # half the outbound queue stays for replies
-            return instance.free(time.monotonic())
-
-        def on_assign(assignment: Assignment) -> None:
-            # Counted at once, in the feeder's thread: its next look at free() must see it.
-            instance.assign(assignment.attempt)
-            loop.call_soon_threadsafe(self._assigned, instance, assignment)
-
-        feeder = Feeder(self.app, self.store, self._holders[instance.instance_id],
-                        instance.identity.queue_id, lease_ttl=self.limits.lease_ttl,
-                        on_lost=self.on_lost, max_attempts=self.max_attempts, free=free,
-                        on_assign=on_assign)
-        self._feeders[instance.instance_id] = feeder
-        feeder.start()
-
-    def _link_of(self, instance: Instance) -> Link | None:
-        session = instance.current
-        return None if session is None else self._links.get(session.session_id)
-
-    def _assigned(self, instance: Instance, assignment: Assignment) -> None:
-        attempt = assignment.attempt
-        link = self._link_of(instance)
-        if link is None or instance.current is None:
-            # Gone meanwhile: never started, the lease expires and Recover re-dispatches.
-            logger.info("pulse gateway: %s[%s] reserved for %s, which left; Recover will "
-                        "re-dispatch it", attempt.task_name, attempt.task_id,
-                        instance.instance_id)
-            return
-        message = assignment.message
-        body = {"task": {"id": attempt.task_id, "name": attempt.task_name,
-                         "body": base64.b64encode(message.body).decode(),
-                         "content_type": message.content_type,
-                         "content_encoding": message.content_encoding,
-                         "headers": dict(message.headers),
-                         "properties": dict(message.properties),
-                         "delivery_info": dict(message.delivery_info)},
-                "task_id": attempt.wire_task_id, "attempt_id": attempt.attempt_id,
-                "epoch": str(attempt.epoch), "lease_secret": attempt.token,
-                "lease_until": _timestamp(attempt.lease_until),
-                "server_time": _timestamp(attempt.lease_until - self.limits.lease_ttl)}
-        try:
-            link.send(Frame("task.assign", frames.new_id(), body, instance.current.session_id))
-        except _Closing:
-            asyncio.get_running_loop().create_task(
-                link.close(CloseCode.POLICY_VIOLATION, "slow consumer"))
-
-    def _stop_feeding(self, instance_id: str) -> None:
-        feeder = self._feeders.pop(instance_id, None)
-        if feeder is not None:
-            feeder.stop()
 
     # -- helpers ----------------------------------------------------------------------
     def _decode(self, link: Link, data: str | bytes, session_id: str | None) -> Frame | None:
@@ -603,9 +288,9 @@ class Gateway:
             return frames.decode_client(data)
         except ProtocolError as exc:
             if isinstance(data, bytes):
-                raise _Closing(CloseCode.UNSUPPORTED_DATA, "binary frame", exc) from None
+                raise Closing(CloseCode.UNSUPPORTED_DATA, "binary frame", exc) from None
             if exc.code == Code.FRAME_TOO_LARGE:
-                raise _Closing(CloseCode.MESSAGE_TOO_BIG, "frame too large", exc) from None
+                raise Closing(CloseCode.MESSAGE_TOO_BIG, "frame too large", exc) from None
             link.send(frames.error_frame(exc, session_id))
             return None
 
@@ -621,52 +306,17 @@ class Gateway:
         except Forbidden as exc:
             raise ProtocolError(Code.FORBIDDEN, exc.message) from None
         return fresh
-
-    async def _welcome(self, instance: Instance, session: Session) -> dict[str, Any]:
-        now = await self._store(self.now)
-        return {"session_id": session.session_id, "epoch": str(session.epoch),
-                "server_time": _timestamp(now),
-                "expires_at": _timestamp(now + self.limits.session_ttl),
-                "lease_duration_ms": round(self.limits.lease_ttl * 1000),
-                "draining": instance.capacity.drain}
-
-    async def _store(self, call: Callable[..., T], *args: Any) -> T:
-        """A blocking store call off the loop, under the store deadline."""
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(call, *args),
-                                          self.limits.store_timeout)
-        except TimeoutError:
-            raise ProtocolError(Code.UNAVAILABLE, "the store did not answer in time") from None
-        except StoreUnavailable:
-            raise ProtocolError(Code.UNAVAILABLE, "the store is unavailable") from None
-        except (Unauthenticated, Forbidden):
-            raise
-        except PulseError as exc:
-            logger.warning("pulse gateway: store call %s failed: %s",
-                           getattr(call, "__name__", call), exc)
-            raise ProtocolError(Code.INTERNAL, "the gateway could not do this") from None
-
-    def _drain_requester(self, instance: Instance) -> str:
-        """Who asked for the drain, as the store's drain request records it."""
-        return f"worker.capacity of {instance.instance_id} via gateway {self.name}"
-
     def _replaced(self, previous: Session) -> None:
         link = self._links.pop(previous.session_id, None)
         if link is not None:
             error = ProtocolError(Code.SESSION_MISMATCH,
                                   "a newer session of this instance replaced this one")
-            with _suppress_closing():
+            with suppress_closing():
                 link.send(frames.error_frame(error, previous.session_id))
             asyncio.get_running_loop().create_task(
                 link.close(CloseCode.POLICY_VIOLATION, "session replaced"))
 
     # -- running ----------------------------------------------------------------------
-    def _spawn(self, work: Awaitable[None]) -> None:
-        """Fire and forget (an event): kept referenced until done."""
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def heartbeats(self) -> None:
         """``worker-heartbeat`` events for every instance with a current session, at the
         registry's beat (run it beside :meth:`serve` when events are on)."""
@@ -693,84 +343,10 @@ class Gateway:
             # The handshake includes the credential check: a store call under its deadline.
             open_timeout=self.limits.store_timeout + 2.0, logger=logger)
 
-
 def _refuse(conn: ServerConnection, status: HTTPStatus, text: str) -> Response:
     response = conn.respond(status, text + "\n")
     response.headers = Headers(response.headers)
     return response
 
-
-class RemoteTaskError(Exception):
-    """A task a gateway worker reported FAILED (its error code and result)."""
-
-
-#: ``task.finish`` outcomes as the task's state in a receipt.
-OUTCOME_STATES = {"SUCCEEDED": "SUCCEEDED", "FAILED": "FAILED", "UNKNOWN": "NEEDS_REVIEW"}
-#: The store's answer to a completion, as the receipt's disposition.
-DISPOSITIONS = {"applied": "APPLIED", "duplicate": "DUPLICATE", "evidence": "EVIDENCE_ONLY"}
-
-
-def holder_name(credential: Credential, instance_id: str) -> str:
-    """The claims' holder for an instance: who holds a task, read in ``pulse claims``."""
-    return f"gw:{credential.name}:{instance_id}"
-
-
-def _ref(ref: frames.AttemptRef) -> tuple[str, str, int, str]:
-    return ref.task_id, ref.attempt_id, ref.epoch, ref.lease_secret
-
-
-def _lease(active: bool, state: str, lease_until: float | None, now: float
-           ) -> dict[str, Any]:
-    return {"active": active, "state": state,
-            "lease_until": None if lease_until is None else _timestamp(lease_until),
-            "server_time": _timestamp(now)}
-
-
-def _command(operation: str, task_state: str, attempt_state: str, attempt: Attempt,
-             lease_until: float | None, disposition: str, lease: dict[str, Any]
-             ) -> dict[str, Any]:
-    """The seed's CommandResult: the operation's receipt (immutable) and the lease as
-    checked now (a receipt never stands in for it)."""
-    return {"receipt": {"operation": operation, "task_state": task_state,
-                        "attempt_state": attempt_state, "task_revision": str(attempt.epoch),
-                        "lease_until": None if lease_until is None else _timestamp(lease_until),
-                        "disposition": disposition},
-            "lease": lease, "deduplicated": False}
-
-
-def _timestamp(seconds: float) -> str:
-    """RFC 3339 UTC with milliseconds, as the seed writes times (``...T08:00:30.000Z``)."""
-    moment = datetime.fromtimestamp(seconds, timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
-
-
 def _sid(session: Session | None) -> str | None:
     return session.session_id if session is not None else None
-
-
-class _suppress_closing:
-    """A frame that can't be queued any more (the link is closing anyway) is dropped."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        return kind is not None and issubclass(kind, _Closing)
-
-
-def server_ssl_context(certfile: str, keyfile: str | None) -> ssl.SSLContext:
-    """TLS for the gateway (``ssl`` module defaults: TLS 1.2+, no compression), issuing
-    no TLS 1.3 session tickets.
-
-    A TLS 1.3 server sends its tickets just after the handshake, while the worker is
-    sending its upgrade request. A threaded client (websockets' sync client, which
-    :class:`~celery_pulse.gateway.client.GatewayClient` is) reads them in one thread
-    while it writes in another, and an OpenSSL connection is not safe for both at once:
-    now and then the request is lost and the handshake times out (reproduced here about
-    once in a few hundred connections). Workers reconnect rarely, so resumption buys
-    nothing worth that.
-    """
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(certfile, keyfile)
-    context.num_tickets = 0
-    return context

@@ -1,0 +1,269 @@
+"""What a gateway session's operations do, and the dispatch that feeds its instance.
+
+The server's glue between the session rules and the store, the feeder and the app's
+result backend: :class:`~celery_pulse.gateway.server.Gateway` builds on it and keeps the
+connections (handshake, hello, the read loop); here is what an accepted, authorised
+frame changes (``worker.capacity``, ``worker.resume``, ``task.start``, ``task.renew``,
+``task.finish``), and how deliveries reserved for an instance become ``task.assign``.
+
+Store calls block, so they run in threads (``asyncio.to_thread``), each under
+``store_timeout``; the event loop never waits on SQL. A store call that fails is
+answered ``UNAVAILABLE`` or ``INTERNAL``, never with the driver's words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from websockets.frames import CloseCode
+
+from celery_pulse.errors import PulseError, StoreUnavailable
+from celery_pulse.gateway import frames
+from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
+from celery_pulse.gateway.events import GatewayEvents
+from celery_pulse.gateway.frames import Code, Frame, ProtocolError
+from celery_pulse.gateway.link import Closing, Limits, Link
+from celery_pulse.gateway.outcomes import Results
+from celery_pulse.gateway.presence import Presence
+from celery_pulse.gateway.receipts import (
+    DISPOSITIONS,
+    OUTCOME_STATES,
+    assign_body,
+    attempt_key,
+    command_result,
+    lease_body,
+    timestamp,
+    welcome_body,
+)
+from celery_pulse.gateway.session import FINISHED, LEASED, RUNNING, Attempt, Instance, Session
+from celery_pulse.store.base import Store
+from celery_pulse.store.credentials import Forbidden, Unauthenticated
+
+# The server's log lines keep the server's logger name, wherever their code lives.
+logger = logging.getLogger("celery_pulse.gateway.server")
+
+T = TypeVar("T")
+
+
+class Operations:
+    """A gateway's instances, operations and dispatch (no connection handling)."""
+
+    def __init__(self, now: Callable[[], float], limits: Limits, *, store: Store | None,
+                 app: Any, on_lost: str | None, max_attempts: int, name: str | None,
+                 events: GatewayEvents | None) -> None:
+        #: The store's clock (``server_time``, ``expires_at``): never this host's.
+        self.now = now
+        self.limits = limits
+        #: Where claims live, and the Celery app whose broker and tasks are dispatched;
+        #: without them the gateway only keeps sessions (no task is assigned).
+        self.store, self.app = store, app
+        self.on_lost, self.max_attempts = on_lost, max_attempts
+        self._links: dict[str, Link] = {}  # session_id -> its connection's writer
+        self._feeders: dict[str, Feeder] = {}  # instance_id -> its queue's consumer
+        self._holders: dict[str, str] = {}  # instance_id -> its holder name in the store
+        #: Celery events on the instances' behalf (Flower), or None.
+        self.events = events
+        self._background: set[asyncio.Future[None]] = set()
+        #: Finishes in the app's result backend.
+        self.results = Results(app, store)
+        #: This gateway in its instances' registry labels, and who asks for their drains.
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        #: The instances' rows in the worker registry (none without a store).
+        self.presence = None if store is None else Presence(
+            store, self._store, ttl=self.limits.session_ttl, gateway=self.name)
+
+    # -- operations -------------------------------------------------------------------
+    async def _apply(self, instance: Instance, session: Session, frame: Frame
+                     ) -> dict[str, Any]:
+        """One operation of a current, authorised session (not a repeat)."""
+        if frame.type == "worker.capacity":
+            update: frames.CapacityUpdate = frame.body
+            before = instance.capacity.drain
+            declared = instance.declare(update.sequence, update.capacity, update.drain)
+            if declared.drain and not before and self.presence is not None:
+                self.presence.drain(self._holders[instance.instance_id],
+                                    self._drain_requester(instance))
+            self._feed(instance)
+            return await self._welcome(instance, session)
+        fenced = self._fenced(instance)
+        if frame.type == "task.finish":
+            finish: frames.Finish = frame.body
+            attempt = instance.attempt(*attempt_key(finish.ref))
+            answer, written = await self._store(self.results.settle, fenced, attempt, finish)
+            attempt.state = FINISHED
+            feeder = self._feeders.get(instance.instance_id)
+            if feeder is not None:
+                feeder.room()
+            if answer == "applied":
+                if not written:
+                    await self._write_result(attempt, finish)
+                if self.events is not None:
+                    self._spawn(self.events.send(
+                        "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
+                        self._holders[instance.instance_id], uuid=attempt.task_id,
+                        exception=finish.error_code or "", result=""))
+            now = await self._store(self.now)
+            state = {"applied": OUTCOME_STATES[finish.outcome],
+                     "duplicate": OUTCOME_STATES[finish.outcome]}.get(answer, "UNKNOWN")
+            return command_result("finish", state, "FINISHED", attempt, None,
+                                  DISPOSITIONS[answer],
+                                  {"active": False, "state": state, "lease_until": None,
+                                   "server_time": timestamp(now)})
+        ref: frames.AttemptRef = frame.body
+        attempt = instance.attempt(*attempt_key(ref))
+        if attempt.state == FINISHED:
+            raise ProtocolError(Code.LEASE_LOST, "this attempt has finished")
+        if frame.type == "worker.resume":
+            # Attempts belong to the instance, not to a connection: nothing moves but the
+            # answer, which is the lease as the store has it now (not extended).
+            lease = await self._lease_now(instance, frame)
+            return {"lease": lease, "deduplicated": False}
+        sent = time.monotonic()
+        if frame.type == "task.start":
+            lease_until = await self._store(fenced.start, attempt)
+            if lease_until is None:
+                attempt.state = FINISHED
+                raise ProtocolError(Code.LEASE_LOST,
+                                    "attempt no longer grants execution authority")
+            attempt.state, attempt.lease_until = RUNNING, lease_until
+            attempt.deadline = sent + self.limits.lease_ttl
+            if self.events is not None:
+                self._spawn(self.events.send("task-started", self._holders[instance.instance_id],
+                                             uuid=attempt.task_id))
+            # The start's own statement time: its lease_until is that plus the lease.
+            now = lease_until - self.limits.lease_ttl
+            return command_result("start", "RUNNING", "RUNNING", attempt, lease_until,
+                                  "APPLIED", lease_body(True, "RUNNING", lease_until, now))
+        # task.renew: only a running attempt is renewed (the seed's rule).
+        if attempt.state != RUNNING:
+            raise ProtocolError(Code.STATE_CONFLICT, "only a started attempt is renewed")
+        now = await self._store(self.now)
+        renewed = await self._store(fenced.renew, attempt)
+        if renewed is False:
+            attempt.state = FINISHED
+            raise ProtocolError(Code.LEASE_LOST, "attempt no longer grants execution authority")
+        if renewed:
+            # At least this long: the store's now during the renewal was no earlier.
+            attempt.lease_until = now + self.limits.lease_ttl
+            attempt.deadline = sent + self.limits.lease_ttl
+        return command_result("renew", "RUNNING", "RUNNING", attempt, attempt.lease_until,
+                              "APPLIED" if renewed else "BUSY",
+                              lease_body(True, "RUNNING", attempt.lease_until, now))
+
+    async def _lease_now(self, instance: Instance, frame: Frame) -> dict[str, Any]:
+        """The attempt's lease as the store has it now (``active`` false when lost)."""
+        body = frame.body
+        ref = body.ref if isinstance(body, frames.Finish) else body
+        attempt = instance.attempt(*attempt_key(ref))
+        now = await self._store(self.now)
+        held = await self._store(self._fenced(instance).status, attempt)
+        if held is None:
+            return lease_body(False, attempt.state if attempt.state == FINISHED else "LOST",
+                              None, now)
+        state, lease_until = held
+        wire = "RUNNING" if state == "running" else LEASED
+        return lease_body(wire == "RUNNING", wire, lease_until, now)
+
+    async def _write_result(self, attempt: Attempt, finish: frames.Finish) -> None:
+        """The outcome in the app's result backend, once the store applied it (a stale
+        attempt's never is): for a backend the completion can't carry."""
+        _, call = self.results.call(self.results.backend(), attempt, finish)
+        if call is None:
+            return
+        try:
+            await self._store(call)
+        except ProtocolError as exc:  # the claim is settled; the result is lost, say so
+            logger.warning("pulse gateway: result of %s[%s] not stored: %s",
+                           attempt.task_name, attempt.task_id, exc.message)
+
+    # -- dispatch ---------------------------------------------------------------------
+    def _fenced(self, instance: Instance) -> Fenced:
+        if self.store is None:
+            raise ProtocolError(Code.NOT_FOUND, "no such attempt on this gateway")
+        return Fenced(self.store, self._holders[instance.instance_id], self.limits.lease_ttl)
+
+    def _feed(self, instance: Instance) -> None:
+        """Start consuming the instance's queue once it declared room (idempotent)."""
+        if self.store is None or self.app is None or instance.instance_id in self._feeders:
+            return
+        loop = asyncio.get_running_loop()
+
+        def free() -> int:
+            link = self._link_of(instance)
+            if link is None or link.pending() * 2 >= self.limits.outbound_frames:
+                return 0  # half the outbound queue stays for replies
+            return instance.free(time.monotonic())
+
+        def on_assign(assignment: Assignment) -> None:
+            # Counted at once, in the feeder's thread: its next look at free() must see it.
+            instance.assign(assignment.attempt)
+            loop.call_soon_threadsafe(self._assigned, instance, assignment)
+
+        feeder = Feeder(self.app, self.store, self._holders[instance.instance_id],
+                        instance.identity.queue_id, lease_ttl=self.limits.lease_ttl,
+                        on_lost=self.on_lost, max_attempts=self.max_attempts, free=free,
+                        on_assign=on_assign)
+        self._feeders[instance.instance_id] = feeder
+        feeder.start()
+
+    def _link_of(self, instance: Instance) -> Link | None:
+        session = instance.current
+        return None if session is None else self._links.get(session.session_id)
+
+    def _assigned(self, instance: Instance, assignment: Assignment) -> None:
+        attempt = assignment.attempt
+        link = self._link_of(instance)
+        if link is None or instance.current is None:
+            # Gone meanwhile: never started, the lease expires and Recover re-dispatches.
+            logger.info("pulse gateway: %s[%s] reserved for %s, which left; Recover will "
+                        "re-dispatch it", attempt.task_name, attempt.task_id,
+                        instance.instance_id)
+            return
+        body = assign_body(attempt, assignment.message, self.limits.lease_ttl)
+        try:
+            link.send(Frame("task.assign", frames.new_id(), body, instance.current.session_id))
+        except Closing:
+            asyncio.get_running_loop().create_task(
+                link.close(CloseCode.POLICY_VIOLATION, "slow consumer"))
+
+    def _stop_feeding(self, instance_id: str) -> None:
+        feeder = self._feeders.pop(instance_id, None)
+        if feeder is not None:
+            feeder.stop()
+
+    # -- helpers ----------------------------------------------------------------------
+    async def _welcome(self, instance: Instance, session: Session) -> dict[str, Any]:
+        now = await self._store(self.now)
+        return welcome_body(instance, session, now, self.limits.session_ttl,
+                            self.limits.lease_ttl)
+
+    async def _store(self, call: Callable[..., T], *args: Any) -> T:
+        """A blocking store call off the loop, under the store deadline."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(call, *args),
+                                          self.limits.store_timeout)
+        except TimeoutError:
+            raise ProtocolError(Code.UNAVAILABLE, "the store did not answer in time") from None
+        except StoreUnavailable:
+            raise ProtocolError(Code.UNAVAILABLE, "the store is unavailable") from None
+        except (Unauthenticated, Forbidden):
+            raise
+        except PulseError as exc:
+            logger.warning("pulse gateway: store call %s failed: %s",
+                           getattr(call, "__name__", call), exc)
+            raise ProtocolError(Code.INTERNAL, "the gateway could not do this") from None
+
+    def _drain_requester(self, instance: Instance) -> str:
+        """Who asked for the drain, as the store's drain request records it."""
+        return f"worker.capacity of {instance.instance_id} via gateway {self.name}"
+    def _spawn(self, work: Awaitable[None]) -> None:
+        """Fire and forget (an event): kept referenced until done."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
