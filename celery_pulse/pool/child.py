@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import signal
+import threading
 import weakref
 from types import CodeType, FrameType
 from typing import Any
@@ -192,12 +193,30 @@ def _expect_lease_lost(task: Any) -> None:
         task.throws = (*throws, LeaseLost)
 
 
+#: Seconds the lost-lease line waits to learn who holds the task now. A lease is often
+#: lost to a partition, where a read on a pooled connection would wait for TCP to give
+#: up: the process must go back to work (or be hard-stopped after the grace) instead.
+HOLDER_LOOKUP_S = 1.0
+
+
 def _now_held(lease: Lease) -> str:
     """Who holds the task now, by the store, for the log line (never decides anything)."""
-    try:
-        holding = holding_of(_child_store().engine, lease.task_id)
-    except PulseError as exc:
-        return f"who holds it now is unknown (the store did not answer: {exc})"
+    found: list[Any] = []
+
+    def look() -> None:
+        try:
+            found.append(holding_of(_child_store().engine, lease.task_id))
+        except Exception as exc:  # a log line's detail: never the task's end
+            found.append(exc)
+
+    reader = threading.Thread(target=look, name="pulse-holder-lookup", daemon=True)
+    reader.start()
+    reader.join(HOLDER_LOOKUP_S)
+    if not found:
+        return "who holds it now is unknown (the store did not answer in time)"
+    holding = found[0]
+    if isinstance(holding, Exception):
+        return f"who holds it now is unknown (the store did not answer: {holding})"
     if holding is None:
         return "its claim is gone"
     if (holding.holder, holding.epoch) == (lease.holder, lease.epoch):
