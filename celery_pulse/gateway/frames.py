@@ -1,7 +1,7 @@
 """The pulse.worker.v1 frame codec: text frames in, typed records out, and back.
 
-Pure Python (no websockets, Celery or SQL), so the gateway and its client share one
-reading of the protocol. Rules, checked in this order; every refusal is a
+Pure Python (no websockets, Celery or SQL: the protocol core), so the gateway and its
+client share one reading of the protocol. Rules, checked in this order; every refusal is a
 :class:`ProtocolError` with a stable :class:`Code` and a public message that names the
 field but never echoes a secret or a long value:
 
@@ -23,6 +23,11 @@ field but never echoes a secret or a long value:
   does not. Floats are accepted there only: no other field is a float.
 * An error raised once the frame's ``message_id`` could be read carries it as
   ``reply_to``, so the gateway can answer the request that failed.
+
+Its vocabulary (constants, :class:`Code`, :class:`ProtocolError`, the records) is
+:mod:`celery_pulse.gateway.protocol` and the JSON rules and field readers are
+:mod:`celery_pulse.gateway.wire`; this module re-exports the vocabulary, so both ends of a
+connection import the protocol from here.
 
 The message_id makes an operation idempotent: the gateway keeps :func:`canonical` of the
 first frame with an id and compares later ones with it. The digest covers type and body
