@@ -65,7 +65,11 @@ def test_a_remote_worker_runs_tasks_with_gateway_credentials_only(
     values = [r.get(timeout=30) for r in results]
     assert [v["sum"] for v in values] == [i + 1 for i in range(8)]
     assert all(v["epoch"] == 1 for v in values)  # current_lease() in the task
-    assert len({v["pid"] for v in values}) == 2  # -c 2: both pool processes ran tasks
+    folder = env.tmp / "meet"
+    folder.mkdir()
+    met = [client_app.send_task("gatewayapp.meet", (str(folder), 1), queue=env.queue)
+           for _ in range(2)]
+    assert len({r.get(timeout=30) for r in met}) == 2  # -c 2: two pool processes at once
     for r in results:
         claim = claim_of(gateway_store, r.id)
         assert claim.state == "succeeded" and claim.holder.startswith("gw:runner:")

@@ -28,6 +28,19 @@ def add(x: int, y: int) -> dict[str, int]:
     return {"sum": x + y, "epoch": lease.epoch, "pid": os.getpid()}
 
 
+@app.task(name="gatewayapp.meet")
+def meet(folder: str, others: int, timeout: float = 20.0) -> int:
+    """Waits until ``others`` more tasks run beside it (a file per process in ``folder``):
+    only a worker running them at once, in processes of their own, gets past it."""
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + timeout
+    while len(os.listdir(folder)) <= others:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{others} other task(s) never ran beside this one")
+        time.sleep(0.02)
+    return os.getpid()
+
+
 @app.task(name="gatewayapp.fail")
 def fail(message: str) -> None:
     raise ValueError(message)
