@@ -466,7 +466,8 @@ class Intake:
         screen.reject(message, task_name, why)
 
     def _max_bytes(self) -> int | None:
-        """The largest body the store keeps in one claim (asked once it answers)."""
+        """The largest body the store keeps in one claim (the worker asked it at start:
+        a store that asks the server remembers the answer)."""
         if self._body_limit is None:
             try:
                 self._body_limit = (self.keeper.store.max_message_bytes(),)

@@ -495,6 +495,9 @@ class Runtime(bootsteps.StartStopStep):
                 settings, store = _gateway_store(w, settings)
             else:
                 store = open_store(settings.store_url, settings.store_connect_timeout)
+                # Asked now, while the store answers: the intake reads it on the event
+                # loop for every delivery, where a store call must not block.
+                store.max_message_bytes()
         except PulseError as exc:
             # Logging may not be set up yet: one plain line on stderr, no traceback.
             print(f"celery-pulse: cannot start: {exc}", file=sys.stderr, flush=True)
