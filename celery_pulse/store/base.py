@@ -23,6 +23,11 @@ from typing import Any, Protocol
 from celery_pulse.errors import PulseError
 
 
+#: One attempt's lease as the store fences it: ``(task_id, epoch, token)``. The epoch
+#: orders attempts of one task; the token proves this attempt holds the epoch.
+LeaseKey = tuple[str, int, str]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Registration:
     """A granted worker registration."""
