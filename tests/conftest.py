@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from celery_pulse.store.sql import SqlStore, open_store
+from celery_pulse.store.sql import SqlStore
 from tests.helpers import services
 from tests.helpers.mariadb import PRIVATE_SERVERS, Database, PrivateMariaDB, PrivateServer
 from tests.helpers.pg import PrivatePostgres, Schema
+from tests.helpers.stores import migrated
 from tests.helpers.workers import Env, Worker
 
 #: pytest-celery's fixtures on local -P pulse workers (tests/acceptance/test_pytest_celery.py).
@@ -90,15 +91,12 @@ def store_url(request: pytest.FixtureRequest) -> str:
     return url
 
 
-def _migrated(url: str) -> SqlStore:
-    store = open_store(url, check_schema=False)
-    store.migrate()
-    return store
-
-
 @pytest.fixture
 def sql_store(store_url: str) -> Iterator[SqlStore]:
-    store = _migrated(store_url)
+    """The SQL store, once per SQL implementation, for tests about SQL itself (row locks,
+    driver errors, the ``pulse://`` backend's table, ``lease.fenced`` on a connection).
+    Contract tests take ``store`` (tests/contract/conftest.py): memory and every SQL store."""
+    store = migrated(store_url)
     yield store
     store.close()
 
@@ -106,7 +104,7 @@ def sql_store(store_url: str) -> Iterator[SqlStore]:
 @pytest.fixture
 def pg_store(pg_url: str) -> Iterator[SqlStore]:
     """The SQL store on PostgreSQL only (for behaviour SQLite has no equivalent of)."""
-    store = _migrated(pg_url)
+    store = migrated(pg_url)
     yield store
     store.close()
 
@@ -114,7 +112,7 @@ def pg_store(pg_url: str) -> Iterator[SqlStore]:
 @pytest.fixture(params=SERVERS)
 def server_store(request: pytest.FixtureRequest) -> Iterator[SqlStore]:
     """The SQL store on each server (PostgreSQL, MariaDB): row locks, session timeouts."""
-    store = _migrated(request.getfixturevalue(STORE_FIXTURES[request.param]))
+    store = migrated(request.getfixturevalue(STORE_FIXTURES[request.param]))
     yield store
     store.close()
 
@@ -191,7 +189,7 @@ def make_env(tmp_path: Path, queue_name: str) -> Iterator[Callable[..., Env]]:
         env = Env(store_url, broker_url, queue_name, tmp_path, conf)
         brokers.add(broker_url)
         if migrate:
-            _migrated(store_url).close()
+            migrated(store_url).close()
         return env
     yield factory
     for broker_url in brokers:

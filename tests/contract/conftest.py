@@ -1,4 +1,11 @@
-"""The ``store`` fixture: one contract suite, run on every Store implementation."""
+"""The ``store`` fixture: every contract suite, run on every Store implementation.
+
+One fixture, four stores: ``memory`` (:class:`~celery_pulse.store.memory.MemoryStore` on
+the wall clock), ``sqlite``, ``postgres`` and ``mariadb`` (fresh and migrated). A test
+that speaks about SQL itself (row locks, session timeouts, driver errors, migrations,
+``lease.fenced`` on a SQL connection, the ``pulse://`` backend's table) takes
+``sql_store`` (tests/conftest.py) instead, and says why in its docstring.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_pulse.store.base import RegistryStore as Store
+from celery_pulse.store.base import Store
 from celery_pulse.store.memory import MemoryStore
-from celery_pulse.store.sql import open_store
+from tests.helpers.stores import migrated
 
 STORE_KINDS = [
     pytest.param("memory", id="memory"),
@@ -27,9 +34,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     if request.param == "memory":
         yield MemoryStore()
         return
-    url: str = request.getfixturevalue(URL_FIXTURES[request.param])
-    sql = open_store(url, check_schema=False)
-    sql.migrate()
+    sql = migrated(request.getfixturevalue(URL_FIXTURES[request.param]))
     try:
         yield sql
     finally:

@@ -1,8 +1,9 @@
-"""The task-claims contract (see ``celery_pulse.store.base.ClaimStore``), on every SQL store.
+"""The task-claims contract (see ``celery_pulse.store.contracts.ClaimStore``), on every store.
 
-Each test runs once per store (``[sqlite]``, ``[postgres]``). "Expired" is always
-decided by the store clock: tests that need an expiry use a short TTL and poll
-with a deadline, never compare their own clock with a stored timestamp.
+Each test runs once per store (``[memory]``, ``[sqlite]``, ``[postgres]``, ``[mariadb]``);
+the few about SQL itself (``lease.fenced`` on a connection, row locks) on the SQL stores.
+"Expired" is always decided by the store clock: tests that need an expiry use a short
+TTL and poll with a deadline, never compare their own clock with a stored timestamp.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,11 +36,14 @@ from celery_pulse.store.base import (
     Message,
     Refusal,
     ReserveRequest,
+    Store,
 )
 from celery_pulse.store.sql import SqlStore
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.fence import make_fencer
-from celery_pulse.store.sql.tables import claims, evidence
+from celery_pulse.store.sql.tables import claims
+from celery_pulse.testing import wait_for
+from tests.helpers.stores import claim_row, evidence_rows, other_handle
 
 TTL = 30.0
 W1, W2 = "w1@host", "w2@host"
@@ -48,17 +52,6 @@ BODY = b'[["a", 1], {}, {}]\xff\x00\xfe'
 
 
 # -- helpers ---------------------------------------------------------------------------
-def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def request(task_id: str | None = None, *, max_attempts: int = 10, retries: int = 0,
             policy: str = "redispatch", body: bytes = BODY,
             publication: str | None = None) -> ReserveRequest:
@@ -71,13 +64,13 @@ def request(task_id: str | None = None, *, max_attempts: int = 10, retries: int 
                           publication)
 
 
-def grant(store: SqlStore, holder: str, req: ReserveRequest, ttl: float = TTL) -> Grant:
+def grant(store: Store, holder: str, req: ReserveRequest, ttl: float = TTL) -> Grant:
     (result,) = store.reserve(holder, [req], ttl)
     assert isinstance(result, Grant), result
     return result
 
 
-def refusal(store: SqlStore, holder: str, req: ReserveRequest, ttl: float = TTL) -> Refusal:
+def refusal(store: Store, holder: str, req: ReserveRequest, ttl: float = TTL) -> Refusal:
     (result,) = store.reserve(holder, [req], ttl)
     assert isinstance(result, Refusal), result
     return result
@@ -87,43 +80,38 @@ def key(g: Grant) -> tuple[str, int, str]:
     return (g.task_id, g.epoch, g.token)
 
 
-def claim(store: SqlStore, task_id: str) -> ClaimInfo:
+def claim(store: Store, task_id: str) -> ClaimInfo:
     found = [c for c in store.list_claims() if c.task_id == task_id]
     assert len(found) == 1, found
     return found[0]
 
 
-def row(store: SqlStore, task_id: str) -> Any:
-    with store.engine.connect() as conn:
-        return conn.execute(sa.select(claims).where(claims.c.task_id == task_id)).one()
+def row(store: Store, task_id: str) -> Any:
+    """The claim's row as the store keeps it (see :func:`tests.helpers.stores.claim_row`)."""
+    return claim_row(store, task_id)
 
 
-def evidence_rows(store: SqlStore, task_id: str) -> list[Any]:
-    with store.engine.connect() as conn:
-        return list(conn.execute(sa.select(evidence).where(evidence.c.task_id == task_id)))
-
-
-def expired(store: SqlStore, task_id: str) -> bool:
+def expired(store: Store, task_id: str) -> bool:
     remaining = claim(store, task_id).lease_remaining
     return remaining is not None and remaining <= 0
 
 
-def complete(store: SqlStore, holder: str, g: Grant, outcome: str = SUCCEEDED,
+def complete(store: Store, holder: str, g: Grant, outcome: str = SUCCEEDED,
              error: str | None = None) -> str:
     result = store.complete(holder, [Completion(g.task_id, g.epoch, g.token, outcome, error)])
     return result[g.task_id]
 
 
 # -- reserve -----------------------------------------------------------------------------
-def test_reserve_grants_epoch_1_and_stores_the_message_byte_exact(sql_store: SqlStore) -> None:
+def test_reserve_grants_epoch_1_and_stores_the_message_byte_exact(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req)
+    g = grant(store, W1, req)
     assert (g.epoch, g.attempts) == (1, 1)
     assert len(g.token) >= 32 and g.token not in repr(g)  # 128 bits of hex, masked in repr
-    info = claim(sql_store, req.task_id)
+    info = claim(store, req.task_id)
     assert (info.state, info.holder, info.epoch, info.task_name) == (RESERVED, W1, 1, "proj.add")
     assert info.lease_remaining is not None and TTL - 5 < info.lease_remaining <= TTL
-    stored = row(sql_store, req.task_id)
+    stored = row(store, req.task_id)
     assert bytes(stored.body) == BODY
     assert stored.token == g.token
     assert (stored.content_type, stored.content_encoding) == ("application/json", "utf-8")
@@ -132,245 +120,245 @@ def test_reserve_grants_epoch_1_and_stores_the_message_byte_exact(sql_store: Sql
     assert json.loads(stored.delivery_info)["routing_key"] == "celery"
 
 
-def test_tokens_are_fresh_per_grant(sql_store: SqlStore) -> None:
-    tokens = {grant(sql_store, W1, request()).token for _ in range(20)}
+def test_tokens_are_fresh_per_grant(store: Store) -> None:
+    tokens = {grant(store, W1, request()).token for _ in range(20)}
     assert len(tokens) == 20
 
 
-def test_second_holder_is_refused_taken(sql_store: SqlStore) -> None:
+def test_second_holder_is_refused_taken(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req)
-    r = refusal(sql_store, W2, req)
+    g = grant(store, W1, req)
+    r = refusal(store, W2, req)
     assert (r.reason, r.state, r.holder, r.epoch) == ("taken", RESERVED, W1, 1)
-    assert row(sql_store, req.task_id).token == g.token  # untouched
+    assert row(store, req.task_id).token == g.token  # untouched
 
 
-def test_a_live_lease_is_not_granted_again_even_to_its_holder(sql_store: SqlStore) -> None:
+def test_a_live_lease_is_not_granted_again_even_to_its_holder(store: Store) -> None:
     """One holder never holds two live grants of one task (two deliveries in flight)."""
     req = request()
-    first = grant(sql_store, W1, req)
-    r = refusal(sql_store, W1, req)
+    first = grant(store, W1, req)
+    r = refusal(store, W1, req)
     assert (r.reason, r.state, r.holder, r.epoch) == ("taken", RESERVED, W1, 1)
-    assert sql_store.renew(W1, [key(first)], TTL) == ({req.task_id}, set())
+    assert store.renew(W1, [key(first)], TTL) == ({req.task_id}, set())
     # Released (expired now), the same holder may take it under a new epoch; the old
     # credential no longer renews.
-    sql_store.release(W1, [key(first)])
-    again = grant(sql_store, W1, req)
+    store.release(W1, [key(first)])
+    again = grant(store, W1, req)
     assert (again.epoch, again.attempts) == (2, 2)
     assert again.token != first.token
-    assert sql_store.renew(W1, [key(first)], TTL) == (set(), set())
+    assert store.renew(W1, [key(first)], TTL) == (set(), set())
 
 
-def test_same_id_twice_in_one_batch_is_granted_once(sql_store: SqlStore) -> None:
+def test_same_id_twice_in_one_batch_is_granted_once(store: Store) -> None:
     req = request()
-    results = sql_store.reserve(W1, [req, req], TTL)
+    results = store.reserve(W1, [req, req], TTL)
     assert isinstance(results[0], Grant) and isinstance(results[1], Refusal)
     assert results[1].reason == "taken"
 
 
-def test_a_batch_mixes_grants_and_refusals(sql_store: SqlStore) -> None:
+def test_a_batch_mixes_grants_and_refusals(store: Store) -> None:
     held = request()
-    grant(sql_store, W2, held)
+    grant(store, W2, held)
     fresh = [request() for _ in range(5)]
-    results = sql_store.reserve(W1, [fresh[0], held, *fresh[1:]], TTL)
+    results = store.reserve(W1, [fresh[0], held, *fresh[1:]], TTL)
     assert [type(r).__name__ for r in results] == ["Grant", "Refusal", *["Grant"] * 4]
     assert [r.task_id for r in results] == [fresh[0].task_id, held.task_id,
                                            *(f.task_id for f in fresh[1:])]
 
 
-def test_finished_claim_is_refused_terminal(sql_store: SqlStore) -> None:
+def test_finished_claim_is_refused_terminal(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req)
-    assert complete(sql_store, W1, g) == "applied"
+    g = grant(store, W1, req)
+    assert complete(store, W1, g) == "applied"
     for holder in (W1, W2):
-        r = refusal(sql_store, holder, req)
+        r = refusal(store, holder, req)
         assert (r.reason, r.state) == ("terminal", SUCCEEDED)
-    info = claim(sql_store, req.task_id)
+    info = claim(store, req.task_id)
     assert (info.state, info.epoch, info.attempts) == (SUCCEEDED, 1, 1)
 
 
-def test_exhausted_budget_fails_the_claim(sql_store: SqlStore) -> None:
+def test_exhausted_budget_fails_the_claim(store: Store) -> None:
     req = request(max_attempts=2)
-    sql_store.release(W1, [key(grant(sql_store, W1, req))])
-    second = grant(sql_store, W1, req)
+    store.release(W1, [key(grant(store, W1, req))])
+    second = grant(store, W1, req)
     assert second.attempts == 2
-    sql_store.release(W1, [key(second)])
-    wait_until(lambda: expired(sql_store, req.task_id), what="the release to expire the lease")
-    r = refusal(sql_store, W2, req)
+    store.release(W1, [key(second)])
+    wait_for(lambda: expired(store, req.task_id), what="the release to expire the lease")
+    r = refusal(store, W2, req)
     assert r.reason == "exhausted"
-    info = claim(sql_store, req.task_id)
+    info = claim(store, req.task_id)
     assert (info.state, info.attempts, info.holder) == (FAILED, 2, W1)
     assert info.lease_remaining is None
     assert info.error and "exhausted" in info.error
     # From now on it is simply finished.
-    assert refusal(sql_store, W2, req).reason == "terminal"
+    assert refusal(store, W2, req).reason == "terminal"
 
 
-def test_running_review_claim_is_not_regranted_even_to_its_holder(sql_store: SqlStore) -> None:
+def test_running_review_claim_is_not_regranted_even_to_its_holder(store: Store) -> None:
     req = request(policy="review")
-    g = grant(sql_store, W1, req)
-    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL) is not None
-    assert refusal(sql_store, W1, req).reason == "taken"
-    assert refusal(sql_store, W2, req).reason == "taken"
-    assert claim(sql_store, req.task_id).state == RUNNING
+    g = grant(store, W1, req)
+    assert store.start(W1, req.task_id, g.epoch, g.token, TTL) is not None
+    assert refusal(store, W1, req).reason == "taken"
+    assert refusal(store, W2, req).reason == "taken"
+    assert claim(store, req.task_id).state == RUNNING
 
 
 # -- publications: a redelivery is a duplicate, a new publication of the id runs again ----
-def test_redelivery_of_a_finished_publication_is_refused(sql_store: SqlStore) -> None:
+def test_redelivery_of_a_finished_publication_is_refused(store: Store) -> None:
     req = request(publication="p1")
-    complete(sql_store, W1, grant(sql_store, W1, req))
-    r = refusal(sql_store, W2, req)
+    complete(store, W1, grant(store, W1, req))
+    r = refusal(store, W2, req)
     assert (r.reason, r.state, r.publication) == ("terminal", SUCCEEDED, "p1")
 
 
 @pytest.mark.parametrize("outcome", [SUCCEEDED, FAILED, REVOKED])
-def test_new_publication_of_a_finished_task_runs_again(sql_store: SqlStore, outcome: str) -> None:
+def test_new_publication_of_a_finished_task_runs_again(store: Store, outcome: str) -> None:
     first = request(publication="p1", max_attempts=1)
-    complete(sql_store, W1, grant(sql_store, W1, first), outcome)
-    again = grant(sql_store, W2, request(first.task_id, publication="p2", max_attempts=1))
+    complete(store, W1, grant(store, W1, first), outcome)
+    again = grant(store, W2, request(first.task_id, publication="p2", max_attempts=1))
     assert (again.epoch, again.attempts) == (2, 1)  # a new publication has its own budget
-    info = claim(sql_store, first.task_id)
+    info = claim(store, first.task_id)
     assert (info.state, info.holder, info.outcome) == (RESERVED, W2, None)
     # ... and now p2 is the claim's publication: p1 again is a new one, p2 a duplicate.
-    assert refusal(sql_store, W1, request(first.task_id, publication="p2")).reason == "taken"
+    assert refusal(store, W1, request(first.task_id, publication="p2")).reason == "taken"
 
 
-def test_new_publication_waits_while_the_previous_run_is_live(sql_store: SqlStore) -> None:
+def test_new_publication_waits_while_the_previous_run_is_live(store: Store) -> None:
     req = request(publication="p1")
-    g = grant(sql_store, W1, req)
-    sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
-    r = refusal(sql_store, W1, request(req.task_id, publication="p2"))
+    g = grant(store, W1, req)
+    store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    r = refusal(store, W1, request(req.task_id, publication="p2"))
     assert (r.reason, r.state, r.publication) == ("taken", RUNNING, "p1")
-    complete(sql_store, W1, g)
-    assert grant(sql_store, W1, request(req.task_id, publication="p2")).epoch == 2
+    complete(store, W1, g)
+    assert grant(store, W1, request(req.task_id, publication="p2")).epoch == 2
 
 
-def test_new_publication_does_not_reopen_a_task_in_review(sql_store: SqlStore) -> None:
+def test_new_publication_does_not_reopen_a_task_in_review(store: Store) -> None:
     req = request(policy="review", publication="p1")
-    g = grant(sql_store, W1, req, ttl=0.3)
-    sql_store.start(W1, req.task_id, g.epoch, g.token, 0.3)
-    wait_until(lambda: sql_store.recover("scanner", 10, TTL), what="Recover to take it over")
-    assert claim(sql_store, req.task_id).state == NEEDS_REVIEW
-    r = refusal(sql_store, W2, request(req.task_id, publication="p2"))
+    g = grant(store, W1, req, ttl=0.3)
+    store.start(W1, req.task_id, g.epoch, g.token, 0.3)
+    wait_for(lambda: store.recover("scanner", 10, TTL), what="Recover to take it over")
+    assert claim(store, req.task_id).state == NEEDS_REVIEW
+    r = refusal(store, W2, request(req.task_id, publication="p2"))
     assert (r.reason, r.state) == ("terminal", NEEDS_REVIEW)
 
 
-def test_messages_without_a_publication_are_told_apart_by_task_id_only(sql_store: SqlStore) -> None:
+def test_messages_without_a_publication_are_told_apart_by_task_id_only(store: Store) -> None:
     req = request()
-    complete(sql_store, W1, grant(sql_store, W1, req))
-    assert refusal(sql_store, W2, req).reason == "terminal"
+    complete(store, W1, grant(store, W1, req))
+    assert refusal(store, W2, req).reason == "terminal"
 
 
-def test_revoked_claim_is_terminal_and_purged(sql_store: SqlStore) -> None:
+def test_revoked_claim_is_terminal_and_purged(store: Store) -> None:
     req = request()
-    assert complete(sql_store, W1, grant(sql_store, W1, req), REVOKED) == "applied"
-    info = claim(sql_store, req.task_id)
+    assert complete(store, W1, grant(store, W1, req), REVOKED) == "applied"
+    info = claim(store, req.task_id)
     assert (info.state, info.outcome, info.lease_remaining) == (REVOKED, REVOKED, None)
-    assert refusal(sql_store, W2, req).reason == "terminal"
-    assert sql_store.purge_finished(older_than=-1) == 1
+    assert refusal(store, W2, req).reason == "terminal"
+    assert store.purge_finished(older_than=-1) == 1
 
 
 # -- requeue (Celery's Reject(requeue=True) and friends) ---------------------------------------
 def test_requeue_opens_the_claim_under_a_publish_lease_and_keeps_the_budget(
-        sql_store: SqlStore) -> None:
+        store: Store) -> None:
     req = request(max_attempts=2, publication="p1")
-    g = grant(sql_store, W1, req)
-    sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
-    (item,) = sql_store.requeue(W1, [key(g)], publish_ttl=TTL)
+    g = grant(store, W1, req)
+    store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    (item,) = store.requeue(W1, [key(g)], publish_ttl=TTL)
     assert (item.state, item.was, item.epoch) == (OPEN, RUNNING, 2)
     assert item.message.body == BODY  # what goes back to the broker, byte-exact
-    info = claim(sql_store, req.task_id)
+    info = claim(store, req.task_id)
     assert (info.state, info.holder, info.epoch) == (OPEN, W1, 2)
     assert info.lease_remaining is not None and info.lease_remaining > 0  # the publish lease
     # The old credential is dead; the requeue is not repeated.
-    assert sql_store.requeue(W1, [key(g)], publish_ttl=TTL) == []
-    assert complete(sql_store, W1, g) == "evidence"
-    assert sql_store.mark_published([(item.task_id, item.epoch, item.token or "")]) == 1
-    again = grant(sql_store, W2, req)  # the requeued delivery: the same publication
+    assert store.requeue(W1, [key(g)], publish_ttl=TTL) == []
+    assert complete(store, W1, g) == "evidence"
+    assert store.mark_published([(item.task_id, item.epoch, item.token or "")]) == 1
+    again = grant(store, W2, req)  # the requeued delivery: the same publication
     assert (again.epoch, again.attempts) == (3, 2)
 
 
-def test_a_requeue_never_published_is_taken_over_by_recover(sql_store: SqlStore) -> None:
+def test_a_requeue_never_published_is_taken_over_by_recover(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req)
-    assert len(sql_store.requeue(W1, [key(g)], publish_ttl=0.2)) == 1
+    g = grant(store, W1, req)
+    assert len(store.requeue(W1, [key(g)], publish_ttl=0.2)) == 1
     # The requeuing worker died before publishing: once its publish lease expires,
     # Recover takes the claim again and publishes it.
-    taken = wait_until(lambda: sql_store.recover("scanner", 10, TTL), what="Recover's takeover")
+    taken = wait_for(lambda: store.recover("scanner", 10, TTL), what="Recover's takeover")
     assert [(t.task_id, t.state, t.epoch) for t in taken] == [(req.task_id, OPEN, 3)]
 
 
-def test_requeue_leaves_other_holders_and_lost_leases_alone(sql_store: SqlStore) -> None:
+def test_requeue_leaves_other_holders_and_lost_leases_alone(store: Store) -> None:
     mine, theirs = request(), request()
-    g_mine = grant(sql_store, W1, mine, ttl=0.2)
-    g_theirs = grant(sql_store, W2, theirs)
-    wait_until(lambda: expired(sql_store, mine.task_id), what="the lease to expire")
-    assert sql_store.requeue(W1, [key(g_mine), key(g_theirs)], publish_ttl=TTL) == []
-    assert claim(sql_store, theirs.task_id).state == RESERVED
+    g_mine = grant(store, W1, mine, ttl=0.2)
+    g_theirs = grant(store, W2, theirs)
+    wait_for(lambda: expired(store, mine.task_id), what="the lease to expire")
+    assert store.requeue(W1, [key(g_mine), key(g_theirs)], publish_ttl=TTL) == []
+    assert claim(store, theirs.task_id).state == RESERVED
 
 
 # -- start -------------------------------------------------------------------------------
-def test_start_only_from_a_live_reservation_with_the_right_credential(sql_store: SqlStore) -> None:
+def test_start_only_from_a_live_reservation_with_the_right_credential(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req)
-    assert sql_store.start(W1, req.task_id, g.epoch, "0" * 32, TTL) is None
-    assert sql_store.start(W1, req.task_id, g.epoch + 1, g.token, TTL) is None
-    assert sql_store.start(W2, req.task_id, g.epoch, g.token, TTL) is None
-    assert claim(sql_store, req.task_id).state == RESERVED
-    until = sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
-    assert until is not None and until > sql_store.now()
-    info = claim(sql_store, req.task_id)
+    g = grant(store, W1, req)
+    assert store.start(W1, req.task_id, g.epoch, "0" * 32, TTL) is None
+    assert store.start(W1, req.task_id, g.epoch + 1, g.token, TTL) is None
+    assert store.start(W2, req.task_id, g.epoch, g.token, TTL) is None
+    assert claim(store, req.task_id).state == RESERVED
+    until = store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    assert until is not None and until > store.now()
+    info = claim(store, req.task_id)
     assert info.state == RUNNING and info.started_at is not None
-    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL) is None  # already running
+    assert store.start(W1, req.task_id, g.epoch, g.token, TTL) is None  # already running
 
 
 def test_a_reservation_with_start_is_granted_running_in_one_statement(
-        sql_store: SqlStore) -> None:
+        store: Store) -> None:
     folded, plain = request(policy="review"), request(policy="review")
-    first, second = sql_store.reserve(W1, [dataclasses.replace(folded, start=True), plain], TTL)
+    first, second = store.reserve(W1, [dataclasses.replace(folded, start=True), plain], TTL)
     assert isinstance(first, Grant) and first.started
     assert isinstance(second, Grant) and not second.started
-    info = claim(sql_store, folded.task_id)
+    info = claim(store, folded.task_id)
     assert info.state == RUNNING and info.started_at is not None
-    assert claim(sql_store, plain.task_id).state == RESERVED
+    assert claim(store, plain.task_id).state == RESERVED
     # Already running: a start of it is refused, a renewal and a completion are not.
-    assert sql_store.start(W1, folded.task_id, first.epoch, first.token, TTL) is None
-    assert sql_store.renew(W1, [key(first)], TTL)[0] == {folded.task_id}
-    assert complete(sql_store, W1, first) == "applied"
-    assert claim(sql_store, folded.task_id).state == SUCCEEDED
+    assert store.start(W1, folded.task_id, first.epoch, first.token, TTL) is None
+    assert store.renew(W1, [key(first)], TTL)[0] == {folded.task_id}
+    assert complete(store, W1, first) == "applied"
+    assert claim(store, folded.task_id).state == SUCCEEDED
 
 
 def test_a_started_grant_over_an_expired_reservation_is_running_again(
-        sql_store: SqlStore) -> None:
+        store: Store) -> None:
     req = request(policy="review")
-    old = grant(sql_store, W1, req, ttl=0.3)
-    wait_until(lambda: expired(sql_store, req.task_id), what="the reservation to expire")
-    (new,) = sql_store.reserve(W2, [dataclasses.replace(req, start=True)], TTL)
+    old = grant(store, W1, req, ttl=0.3)
+    wait_for(lambda: expired(store, req.task_id), what="the reservation to expire")
+    (new,) = store.reserve(W2, [dataclasses.replace(req, start=True)], TTL)
     assert isinstance(new, Grant) and new.started and new.epoch == old.epoch + 1
-    assert claim(sql_store, req.task_id).state == RUNNING
+    assert claim(store, req.task_id).state == RUNNING
     # A live running claim is never granted again, not even to its own holder.
-    assert refusal(sql_store, W1, req).reason == "taken"
+    assert refusal(store, W1, req).reason == "taken"
 
 
 def test_a_folded_start_that_never_reached_a_pool_process_is_released(
-        sql_store: SqlStore) -> None:
-    (g,) = sql_store.reserve(W1, [dataclasses.replace(request(), start=True)], TTL)
+        store: Store) -> None:
+    (g,) = store.reserve(W1, [dataclasses.replace(request(), start=True)], TTL)
     assert isinstance(g, Grant) and g.started
-    assert sql_store.release(W1, [key(g)]) == 0  # running: only as never run
-    assert sql_store.release(W1, [key(g)], never_ran=True) == 1
-    info = claim(sql_store, g.task_id)
-    assert info.state == RESERVED and info.started_at is None and expired(sql_store, g.task_id)
+    assert store.release(W1, [key(g)]) == 0  # running: only as never run
+    assert store.release(W1, [key(g)], never_ran=True) == 1
+    info = claim(store, g.task_id)
+    assert info.state == RESERVED and info.started_at is None and expired(store, g.task_id)
 
 
-def test_an_exchange_answers_as_the_three_calls_in_order(sql_store: SqlStore) -> None:
+def test_an_exchange_answers_as_the_three_calls_in_order(store: Store) -> None:
     """Completions first (a retry re-opens the claim its next delivery needs), then
     reservations, then starts: one exchange, the same answers as the separate calls."""
-    retried, waiting, gone = (grant(sql_store, W1, request()) for _ in range(3))
+    retried, waiting, gone = (grant(store, W1, request()) for _ in range(3))
     fresh = request()
     again = request(retried.task_id, retries=1)
-    sql_store.release(W1, [key(gone)])
-    grant(sql_store, W2, request(gone.task_id))  # taken over: this completion is stale
-    done = sql_store.exchange(
+    store.release(W1, [key(gone)])
+    grant(store, W2, request(gone.task_id))  # taken over: this completion is stale
+    done = store.exchange(
         W1, TTL, [Completion(retried.task_id, retried.epoch, retried.token, RETRY),
                   Completion(gone.task_id, gone.epoch, gone.token, SUCCEEDED)],
         [again, dataclasses.replace(fresh, start=True)], [key(waiting)])
@@ -379,211 +367,211 @@ def test_an_exchange_answers_as_the_three_calls_in_order(sql_store: SqlStore) ->
     assert isinstance(regrant, Grant) and regrant.epoch == retried.epoch + 1
     assert isinstance(folded, Grant) and folded.started
     assert set(done.started) == {waiting.task_id}
-    assert [claim(sql_store, t).state for t in (retried.task_id, fresh.task_id,
+    assert [claim(store, t).state for t in (retried.task_id, fresh.task_id,
                                                   waiting.task_id)] == [RESERVED, RUNNING,
                                                                         RUNNING]
-    assert len(evidence_rows(sql_store, gone.task_id)) == 1
+    assert len(evidence_rows(store, gone.task_id)) == 1
 
 
-def test_an_exchange_with_a_task_twice_decides_each_copy_in_turn(sql_store: SqlStore) -> None:
+def test_an_exchange_with_a_task_twice_decides_each_copy_in_turn(store: Store) -> None:
     req = request()
-    done = sql_store.exchange(W1, TTL, [], [req, req], [])
+    done = store.exchange(W1, TTL, [], [req, req], [])
     first, second = done.reserved
     assert isinstance(first, Grant)
     assert isinstance(second, Refusal) and second.reason == "taken"
 
 
-def test_an_empty_exchange_does_nothing(sql_store: SqlStore) -> None:
-    done = sql_store.exchange(W1, TTL, [], [], [])
+def test_an_empty_exchange_does_nothing(store: Store) -> None:
+    done = store.exchange(W1, TTL, [], [], [])
     assert (dict(done.completed), list(done.reserved), dict(done.started)) == ({}, [], {})
 
 
-def test_start_refused_once_the_reservation_expired(sql_store: SqlStore) -> None:
+def test_start_refused_once_the_reservation_expired(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req, ttl=0.3)
-    wait_until(lambda: expired(sql_store, req.task_id), what="the reservation to expire")
-    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL) is None
-    assert claim(sql_store, req.task_id).state == RESERVED
+    g = grant(store, W1, req, ttl=0.3)
+    wait_for(lambda: expired(store, req.task_id), what="the reservation to expire")
+    assert store.start(W1, req.task_id, g.epoch, g.token, TTL) is None
+    assert claim(store, req.task_id).state == RESERVED
 
 
-def test_start_refused_after_a_takeover(sql_store: SqlStore) -> None:
+def test_start_refused_after_a_takeover(store: Store) -> None:
     req = request()
-    old = grant(sql_store, W1, req)
-    sql_store.release(W1, [key(old)])
-    grant(sql_store, W2, req)
-    assert sql_store.start(W1, req.task_id, old.epoch, old.token, TTL) is None
+    old = grant(store, W1, req)
+    store.release(W1, [key(old)])
+    grant(store, W2, req)
+    assert store.start(W1, req.task_id, old.epoch, old.token, TTL) is None
 
 
 # -- renew -------------------------------------------------------------------------------
-def test_renew_checks_holder_token_and_epoch(sql_store: SqlStore) -> None:
-    good, wrong_token, wrong_epoch = (grant(sql_store, W1, request()) for _ in range(3))
-    running = grant(sql_store, W1, request())
-    assert sql_store.start(W1, running.task_id, running.epoch, running.token, TTL)
-    other = grant(sql_store, W2, request())
-    before = claim(sql_store, good.task_id).lease_remaining
-    renewed, busy = sql_store.renew(W1, [
+def test_renew_checks_holder_token_and_epoch(store: Store) -> None:
+    good, wrong_token, wrong_epoch = (grant(store, W1, request()) for _ in range(3))
+    running = grant(store, W1, request())
+    assert store.start(W1, running.task_id, running.epoch, running.token, TTL)
+    other = grant(store, W2, request())
+    before = claim(store, good.task_id).lease_remaining
+    renewed, busy = store.renew(W1, [
         key(good), (wrong_token.task_id, wrong_token.epoch, "f" * 32),
         (wrong_epoch.task_id, wrong_epoch.epoch + 1, wrong_epoch.token), key(running),
         key(other)], 120.0)
     assert renewed == {good.task_id, running.task_id}
     assert busy == set()
-    after = claim(sql_store, good.task_id).lease_remaining
+    after = claim(store, good.task_id).lease_remaining
     assert before is not None and after is not None and after > before + 60
     # Leases not renewed keep their old expiry; the other holder's lease is untouched.
-    assert (claim(sql_store, wrong_token.task_id).lease_remaining or 0) <= TTL
-    assert (claim(sql_store, other.task_id).lease_remaining or 0) <= TTL
+    assert (claim(store, wrong_token.task_id).lease_remaining or 0) <= TTL
+    assert (claim(store, other.task_id).lease_remaining or 0) <= TTL
 
 
-def test_renew_in_one_call_covers_many_leases(sql_store: SqlStore) -> None:
-    grants = [grant(sql_store, W1, request()) for _ in range(50)]
-    renewed, _ = sql_store.renew(W1, [key(g) for g in grants], TTL)
+def test_renew_in_one_call_covers_many_leases(store: Store) -> None:
+    grants = [grant(store, W1, request()) for _ in range(50)]
+    renewed, _ = store.renew(W1, [key(g) for g in grants], TTL)
     assert renewed == {g.task_id for g in grants}
 
 
-def test_lease_expires_by_store_clock(sql_store: SqlStore) -> None:
+def test_lease_expires_by_store_clock(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req, ttl=0.3)
+    g = grant(store, W1, req, ttl=0.3)
     # Live now: another holder is refused (unless this very slow machine took > 0.3 s).
-    first = sql_store.reserve(W2, [req], TTL)[0]
+    first = store.reserve(W2, [req], TTL)[0]
     if isinstance(first, Grant):
         pytest.skip("the store took longer than the 0.3 s TTL between two statements")
     assert first.reason == "taken"
-    taken = wait_until(lambda: next(iter(
-        r for r in sql_store.reserve(W2, [req], TTL) if isinstance(r, Grant)), None),
+    taken = wait_for(lambda: next(iter(
+        r for r in store.reserve(W2, [req], TTL) if isinstance(r, Grant)), None),
         timeout=10, what="the 0.3 s lease to expire by the store clock")
     assert (taken.epoch, taken.attempts) == (2, 2)
     # The expired lease can no longer be renewed by its old holder.
-    assert sql_store.renew(W1, [key(g)], TTL) == (set(), set())
-    assert claim(sql_store, req.task_id).holder == W2
+    assert store.renew(W1, [key(g)], TTL) == (set(), set())
+    assert claim(store, req.task_id).holder == W2
 
 
-def test_expired_lease_is_not_renewed(sql_store: SqlStore) -> None:
+def test_expired_lease_is_not_renewed(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req, ttl=0.3)
-    wait_until(lambda: expired(sql_store, req.task_id), what="the lease to expire")
-    assert sql_store.renew(W1, [key(g)], TTL) == (set(), set())
-    assert expired(sql_store, req.task_id)
+    g = grant(store, W1, req, ttl=0.3)
+    wait_for(lambda: expired(store, req.task_id), what="the lease to expire")
+    assert store.renew(W1, [key(g)], TTL) == (set(), set())
+    assert expired(store, req.task_id)
 
 
 # -- complete ----------------------------------------------------------------------------
-def test_complete_records_outcome_and_error(sql_store: SqlStore) -> None:
-    ok, bad = grant(sql_store, W1, request()), grant(sql_store, W1, request())
-    assert sql_store.start(W1, ok.task_id, ok.epoch, ok.token, TTL)
-    result = sql_store.complete(W1, [
+def test_complete_records_outcome_and_error(store: Store) -> None:
+    ok, bad = grant(store, W1, request()), grant(store, W1, request())
+    assert store.start(W1, ok.task_id, ok.epoch, ok.token, TTL)
+    result = store.complete(W1, [
         Completion(ok.task_id, ok.epoch, ok.token, SUCCEEDED),
         Completion(bad.task_id, bad.epoch, bad.token, FAILED, "ValueError('boom')")])
     assert result == {ok.task_id: "applied", bad.task_id: "applied"}
-    done, failed = claim(sql_store, ok.task_id), claim(sql_store, bad.task_id)
+    done, failed = claim(store, ok.task_id), claim(store, bad.task_id)
     assert (done.state, done.outcome, done.lease_remaining) == (SUCCEEDED, SUCCEEDED, None)
     assert done.finished_at is not None and done.error is None
     assert (failed.state, failed.error) == (FAILED, "ValueError('boom')")
-    assert row(sql_store, ok.task_id).token is None  # the credential is gone
+    assert row(store, ok.task_id).token is None  # the credential is gone
 
 
-def test_repeated_completion_is_a_duplicate(sql_store: SqlStore) -> None:
-    g = grant(sql_store, W1, request())
-    assert complete(sql_store, W1, g) == "applied"
-    assert complete(sql_store, W1, g) == "duplicate"
-    assert evidence_rows(sql_store, g.task_id) == []
-    assert claim(sql_store, g.task_id).state == SUCCEEDED
+def test_repeated_completion_is_a_duplicate(store: Store) -> None:
+    g = grant(store, W1, request())
+    assert complete(store, W1, g) == "applied"
+    assert complete(store, W1, g) == "duplicate"
+    assert evidence_rows(store, g.task_id) == []
+    assert claim(store, g.task_id).state == SUCCEEDED
 
 
-def test_stale_completion_is_evidence_only(sql_store: SqlStore) -> None:
+def test_stale_completion_is_evidence_only(store: Store) -> None:
     req = request()
-    stale = grant(sql_store, W1, req)
-    assert sql_store.release(W1, [key(stale)]) == 1
-    current = grant(sql_store, W2, req)
+    stale = grant(store, W1, req)
+    assert store.release(W1, [key(stale)]) == 1
+    current = grant(store, W2, req)
     assert current.epoch == 2
-    assert complete(sql_store, W1, stale, FAILED, "late") == "evidence"
-    info = claim(sql_store, req.task_id)
+    assert complete(store, W1, stale, FAILED, "late") == "evidence"
+    info = claim(store, req.task_id)
     assert (info.state, info.holder, info.epoch, info.outcome) == (RESERVED, W2, 2, None)
-    assert row(sql_store, req.task_id).token == current.token
-    (ev,) = evidence_rows(sql_store, req.task_id)
+    assert row(store, req.task_id).token == current.token
+    (ev,) = evidence_rows(store, req.task_id)
     assert (ev.epoch, ev.holder, ev.outcome, ev.error) == (1, W1, FAILED, "late")
     # The current holder still completes normally; the stale one never overrides it.
-    assert complete(sql_store, W2, current) == "applied"
-    assert complete(sql_store, W1, stale, FAILED, "later") == "evidence"
-    info = claim(sql_store, req.task_id)
+    assert complete(store, W2, current) == "applied"
+    assert complete(store, W1, stale, FAILED, "later") == "evidence"
+    info = claim(store, req.task_id)
     assert (info.state, info.epoch) == (SUCCEEDED, 2)
-    assert len(evidence_rows(sql_store, req.task_id)) == 2
+    assert len(evidence_rows(store, req.task_id)) == 2
 
 
-def test_retry_completion_opens_the_claim_for_the_next_delivery(sql_store: SqlStore) -> None:
+def test_retry_completion_opens_the_claim_for_the_next_delivery(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req)
-    assert sql_store.start(W1, req.task_id, g.epoch, g.token, TTL)
-    assert complete(sql_store, W1, g, RETRY) == "applied"
-    info = claim(sql_store, req.task_id)
+    g = grant(store, W1, req)
+    assert store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    assert complete(store, W1, g, RETRY) == "applied"
+    info = claim(store, req.task_id)
     assert (info.state, info.lease_remaining, info.finished_at) == (OPEN, None, None)
-    retried = grant(sql_store, W2, request(req.task_id, retries=1))
+    retried = grant(store, W2, request(req.task_id, retries=1))
     assert (retried.epoch, retried.attempts) == (2, 2)
-    assert claim(sql_store, req.task_id).state == RESERVED
-    assert row(sql_store, req.task_id).retries == 1
+    assert claim(store, req.task_id).state == RESERVED
+    assert row(store, req.task_id).retries == 1
 
 
 # -- release and purge ---------------------------------------------------------------------
-def test_release_expires_a_reservation_for_another_holder(sql_store: SqlStore) -> None:
+def test_release_expires_a_reservation_for_another_holder(store: Store) -> None:
     req = request()
-    g = grant(sql_store, W1, req)
-    assert refusal(sql_store, W2, req).reason == "taken"
-    assert sql_store.release(W2, [key(g)]) == 0  # only the holder may release
-    assert sql_store.release(W1, [(g.task_id, g.epoch, "0" * 32)]) == 0  # with its token
-    assert sql_store.release(W1, [key(g)]) == 1
-    assert expired(sql_store, req.task_id)
-    taken = grant(sql_store, W2, req)
+    g = grant(store, W1, req)
+    assert refusal(store, W2, req).reason == "taken"
+    assert store.release(W2, [key(g)]) == 0  # only the holder may release
+    assert store.release(W1, [(g.task_id, g.epoch, "0" * 32)]) == 0  # with its token
+    assert store.release(W1, [key(g)]) == 1
+    assert expired(store, req.task_id)
+    taken = grant(store, W2, req)
     assert taken.epoch == 2
 
 
-def test_release_leaves_running_claims_alone(sql_store: SqlStore) -> None:
-    g = grant(sql_store, W1, request())
-    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
-    assert sql_store.release(W1, [key(g)]) == 0
-    info = claim(sql_store, g.task_id)
+def test_release_leaves_running_claims_alone(store: Store) -> None:
+    g = grant(store, W1, request())
+    assert store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    assert store.release(W1, [key(g)]) == 0
+    info = claim(store, g.task_id)
     assert info.state == RUNNING and (info.lease_remaining or 0) > 0
 
 
-def test_release_of_a_start_that_never_reached_a_pool_process(sql_store: SqlStore) -> None:
-    g = grant(sql_store, W1, request())
-    assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
-    assert sql_store.release(W2, [key(g)], never_ran=True) == 0  # only the holder
-    assert sql_store.release(W1, [key(g)], never_ran=True) == 1
-    info = claim(sql_store, g.task_id)
+def test_release_of_a_start_that_never_reached_a_pool_process(store: Store) -> None:
+    g = grant(store, W1, request())
+    assert store.start(W1, g.task_id, g.epoch, g.token, TTL)
+    assert store.release(W2, [key(g)], never_ran=True) == 0  # only the holder
+    assert store.release(W1, [key(g)], never_ran=True) == 1
+    info = claim(store, g.task_id)
     assert info.state == RESERVED and info.started_at is None
-    assert expired(sql_store, g.task_id)  # Recover re-publishes it: it never ran
+    assert expired(store, g.task_id)  # Recover re-publishes it: it never ran
 
 
-def test_purge_removes_only_old_finished_claims(sql_store: SqlStore) -> None:
-    done, failed, live = (grant(sql_store, W1, request()) for _ in range(3))
-    assert complete(sql_store, W1, done) == "applied"
-    assert complete(sql_store, W1, failed, FAILED, "x") == "applied"
-    assert sql_store.purge_finished(older_than=3600) == 0
-    assert {c.task_id for c in sql_store.list_claims()} >= {done.task_id, failed.task_id}
-    wait_until(lambda: sql_store.purge_finished(older_than=0.05) == 2 or
-               not {done.task_id, failed.task_id} & {c.task_id for c in sql_store.list_claims()},
+def test_purge_removes_only_old_finished_claims(store: Store) -> None:
+    done, failed, live = (grant(store, W1, request()) for _ in range(3))
+    assert complete(store, W1, done) == "applied"
+    assert complete(store, W1, failed, FAILED, "x") == "applied"
+    assert store.purge_finished(older_than=3600) == 0
+    assert {c.task_id for c in store.list_claims()} >= {done.task_id, failed.task_id}
+    wait_for(lambda: store.purge_finished(older_than=0.05) == 2 or
+               not {done.task_id, failed.task_id} & {c.task_id for c in store.list_claims()},
                what="finished claims to be purged")
-    ids = {c.task_id for c in sql_store.list_claims()}
+    ids = {c.task_id for c in store.list_claims()}
     assert done.task_id not in ids and failed.task_id not in ids
     assert live.task_id in ids
 
 
-def test_purge_works_in_bounded_batches(sql_store: SqlStore) -> None:
-    grants = [grant(sql_store, W1, request()) for _ in range(7)]
-    sql_store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED) for g in grants])
-    wait_until(lambda: sql_store.now() - max(
-        c.finished_at or 0 for c in sql_store.list_claims()) > 0.1, what="time to pass")
-    assert sql_store.purge_finished(older_than=0.05, limit=3) == 3
-    assert sql_store.purge_finished(older_than=0.05, limit=3) == 3
-    assert sql_store.purge_finished(older_than=0.05, limit=3) == 1
-    assert sql_store.list_claims() == []
+def test_purge_works_in_bounded_batches(store: Store) -> None:
+    grants = [grant(store, W1, request()) for _ in range(7)]
+    store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED) for g in grants])
+    wait_for(lambda: store.now() - max(
+        c.finished_at or 0 for c in store.list_claims()) > 0.1, what="time to pass")
+    assert store.purge_finished(older_than=0.05, limit=3) == 3
+    assert store.purge_finished(older_than=0.05, limit=3) == 3
+    assert store.purge_finished(older_than=0.05, limit=3) == 1
+    assert store.list_claims() == []
 
 
-def test_claim_counts(sql_store: SqlStore) -> None:
-    _, b, c = (grant(sql_store, W1, request()) for _ in range(3))
-    assert sql_store.start(W1, b.task_id, b.epoch, b.token, TTL)
-    complete(sql_store, W1, c)
-    grant(sql_store, W1, request(), ttl=0.2)
-    wait_until(lambda: sql_store.claim_counts().get("expired") == 1, what="one expired claim")
-    counts = sql_store.claim_counts()
+def test_claim_counts(store: Store) -> None:
+    _, b, c = (grant(store, W1, request()) for _ in range(3))
+    assert store.start(W1, b.task_id, b.epoch, b.token, TTL)
+    complete(store, W1, c)
+    grant(store, W1, request(), ttl=0.2)
+    wait_for(lambda: store.claim_counts().get("expired") == 1, what="one expired claim")
+    counts = store.claim_counts()
     assert counts[RESERVED] == 2 and counts[RUNNING] == 1 and counts[SUCCEEDED] == 1
 
 
@@ -617,6 +605,7 @@ def _notes(engine: sa.Engine, table: sa.Table) -> list[tuple[int, str]]:
 
 
 def test_fenced_write_commits_only_while_the_epoch_holds(sql_store: SqlStore) -> None:
+    """SQL only: ``lease.fenced`` guards a transaction on the store's own database."""
     req = request()
     g = grant(sql_store, W1, req)
     assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
@@ -639,6 +628,7 @@ def test_fenced_write_commits_only_while_the_epoch_holds(sql_store: SqlStore) ->
 
 
 def test_fenced_write_rolls_back_when_the_lease_ends_inside_the_block(sql_store: SqlStore) -> None:
+    """SQL only: ``lease.fenced`` guards a transaction on the store's own database."""
     g = grant(sql_store, W1, request())
     assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
     lost = False
@@ -654,6 +644,7 @@ def test_fenced_write_rolls_back_when_the_lease_ends_inside_the_block(sql_store:
 
 def test_fenced_write_accepted_on_a_live_reservation_whose_start_is_not_recorded_yet(
         sql_store: SqlStore) -> None:
+    """SQL only: ``lease.fenced`` guards a transaction on the store's own database."""
     # Tasks Recover re-dispatches anyway (acks_late, idempotent) start before their
     # start is recorded: the fence is the token and epoch, not the state.
     g = grant(sql_store, W1, request())
@@ -669,17 +660,17 @@ def test_fenced_write_accepted_on_a_live_reservation_whose_start_is_not_recorded
         assert _notes(engine, table) == []
 
 
-def test_start_many_moves_only_live_reservations_of_the_holder(sql_store: SqlStore) -> None:
-    ok, stale, other = (grant(sql_store, W1, request()) for _ in range(3))
-    mine_elsewhere = grant(sql_store, W2, request())
-    started = sql_store.start_many(W1, [(ok.task_id, ok.epoch, ok.token),
+def test_start_many_moves_only_live_reservations_of_the_holder(store: Store) -> None:
+    ok, stale, other = (grant(store, W1, request()) for _ in range(3))
+    mine_elsewhere = grant(store, W2, request())
+    started = store.start_many(W1, [(ok.task_id, ok.epoch, ok.token),
                                         (stale.task_id, stale.epoch + 1, stale.token),
                                         (other.task_id, other.epoch, "0" * 32),
                                         (mine_elsewhere.task_id, mine_elsewhere.epoch,
                                          mine_elsewhere.token)], TTL)
     assert set(started) == {ok.task_id}
-    assert started[ok.task_id] > sql_store.now()
-    states = {c.task_id: c.state for c in sql_store.list_claims()}
+    assert started[ok.task_id] > store.now()
+    states = {c.task_id: c.state for c in store.list_claims()}
     assert states[ok.task_id] == RUNNING
     assert states[stale.task_id] == states[other.task_id] == RESERVED
     assert states[mine_elsewhere.task_id] == RESERVED
@@ -687,6 +678,7 @@ def test_start_many_moves_only_live_reservations_of_the_holder(sql_store: SqlSto
 
 def test_fenced_rejects_another_database_and_open_transactions(
         sql_store: SqlStore, tmp_path: Any) -> None:
+    """SQL only: ``lease.fenced`` guards a transaction on the store's own database."""
     g = grant(sql_store, W1, request())
     assert sql_store.start(W1, g.task_id, g.epoch, g.token, TTL)
     lease = _lease(sql_store, g)
@@ -747,7 +739,7 @@ def test_a_fenced_block_left_idle_past_the_ttl_loses_its_transaction(
 
 
 # -- concurrency ---------------------------------------------------------------------------
-def test_workers_racing_for_the_same_new_tasks_each_get_a_task_once(sql_store: SqlStore) -> None:
+def test_workers_racing_for_the_same_new_tasks_each_get_a_task_once(store: Store) -> None:
     """Four workers (own connections) reserve the same 40 never-seen task ids at once, each
     in its own order: every id is granted to exactly one of them, the rest are refused
     ``taken``, and nobody sees an error. On MySQL/MariaDB this is where duplicate-key
@@ -755,16 +747,15 @@ def test_workers_racing_for_the_same_new_tasks_each_get_a_task_once(sql_store: S
     import random
     import threading
 
-    from celery_pulse.store.sql import open_store
-
     ids = [uuid.uuid4().hex for _ in range(40)]
     holders = [f"racer{i}@host" for i in range(4)]
-    stores = [open_store(_store_url(sql_store)) for _ in holders]
+    handles = contextlib.ExitStack()
+    stores = [handles.enter_context(other_handle(store)) for _ in holders]
     barrier = threading.Barrier(len(holders))
     results: dict[str, list[Grant | Refusal]] = {}
     errors: list[BaseException] = []
 
-    def race(store: SqlStore, holder: str) -> None:
+    def race(store: Store, holder: str) -> None:
         order = ids[:]
         random.Random(holder).shuffle(order)
         try:
@@ -782,8 +773,7 @@ def test_workers_racing_for_the_same_new_tasks_each_get_a_task_once(sql_store: S
         t.start()
     for t in threads:
         t.join(60)
-    for s in stores:
-        s.close()
+    handles.close()
     assert errors == []
     granted: dict[str, list[str]] = {}
     for holder, answers in results.items():
@@ -795,40 +785,40 @@ def test_workers_racing_for_the_same_new_tasks_each_get_a_task_once(sql_store: S
     assert sorted(granted) == sorted(ids)
     assert all(len(h) == 1 for h in granted.values()), granted
     for task_id, (holder,) in granted.items():
-        info = claim(sql_store, task_id)
+        info = claim(store, task_id)
         assert (info.holder, info.epoch, info.state) == (holder, 1, RESERVED)
 
 
 # -- what the lease gateway needs (issue 18) ---------------------------------------------
-def test_lease_of_reports_a_live_lease_without_extending_it(sql_store: SqlStore) -> None:
-    g = grant(sql_store, W1, request())
-    state, until = sql_store.lease_of(W1, *key(g)) or ("", 0.0)
+def test_lease_of_reports_a_live_lease_without_extending_it(store: Store) -> None:
+    g = grant(store, W1, request())
+    state, until = store.lease_of(W1, *key(g)) or ("", 0.0)
     assert state == RESERVED and until == pytest.approx(g.lease_until)
-    assert sql_store.lease_of(W1, *key(g)) == (state, until)  # nothing moved
-    started = sql_store.start(W1, *key(g), TTL)
-    assert sql_store.lease_of(W1, *key(g)) == (RUNNING, pytest.approx(started))
+    assert store.lease_of(W1, *key(g)) == (state, until)  # nothing moved
+    started = store.start(W1, *key(g), TTL)
+    assert store.lease_of(W1, *key(g)) == (RUNNING, pytest.approx(started))
     # Another holder, another epoch, another token: not this lease.
-    assert sql_store.lease_of(W2, *key(g)) is None
-    assert sql_store.lease_of(W1, g.task_id, g.epoch + 1, g.token) is None
-    assert sql_store.lease_of(W1, g.task_id, g.epoch, "0" * 32) is None
-    sql_store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED)])
-    assert sql_store.lease_of(W1, *key(g)) is None
+    assert store.lease_of(W2, *key(g)) is None
+    assert store.lease_of(W1, g.task_id, g.epoch + 1, g.token) is None
+    assert store.lease_of(W1, g.task_id, g.epoch, "0" * 32) is None
+    store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED)])
+    assert store.lease_of(W1, *key(g)) is None
 
 
-def test_lease_of_an_expired_lease_is_none(sql_store: SqlStore) -> None:
-    g = grant(sql_store, W1, request(), ttl=0.2)
-    wait_until(lambda: sql_store.lease_of(W1, *key(g)) is None, what="the lease to expire")
+def test_lease_of_an_expired_lease_is_none(store: Store) -> None:
+    g = grant(store, W1, request(), ttl=0.2)
+    wait_for(lambda: store.lease_of(W1, *key(g)) is None, what="the lease to expire")
 
 
 def test_a_holder_that_cant_tell_what_happened_sends_the_task_to_review(
-        sql_store: SqlStore) -> None:
-    g = grant(sql_store, W1, request(policy="redispatch"))
-    assert sql_store.start(W1, *key(g), TTL) is not None
+        store: Store) -> None:
+    g = grant(store, W1, request(policy="redispatch"))
+    assert store.start(W1, *key(g), TTL) is not None
     done = Completion(g.task_id, g.epoch, g.token, NEEDS_REVIEW, "E_TIMEOUT")
-    assert sql_store.complete(W1, [done]) == {g.task_id: "applied"}
-    c = claim(sql_store, g.task_id)
+    assert store.complete(W1, [done]) == {g.task_id: "applied"}
+    c = claim(store, g.task_id)
     assert (c.state, c.outcome, c.error) == (NEEDS_REVIEW, NEEDS_REVIEW, "E_TIMEOUT")
-    assert [r.task_id for r in sql_store.list_review()] == [g.task_id]
-    assert sql_store.complete(W1, [done]) == {g.task_id: "duplicate"}
+    assert [r.task_id for r in store.list_review()] == [g.task_id]
+    assert store.complete(W1, [done]) == {g.task_id: "duplicate"}
     # Nobody re-runs it until a human decides, whatever its policy.
-    assert isinstance(sql_store.reserve(W2, [request(g.task_id)], TTL)[0], Refusal)
+    assert isinstance(store.reserve(W2, [request(g.task_id)], TTL)[0], Refusal)

@@ -1,41 +1,38 @@
-"""The leader and beat contract (``LeaderStore``/``BeatStore`` in ``celery_pulse.store.base``).
+"""The leader and beat contract (``LeaderStore``/``BeatStore`` in ``celery_pulse.store.contracts``).
 
-Each test runs once per SQL store (``[sqlite]``, ``[postgres]``). "Expired" is
+Each test runs once per store (``[memory]``, ``[sqlite]``, ``[postgres]``, ``[mariadb]``). "Expired" is
 decided by the store clock: tests that need an expiry use a short TTL and poll
 ``get_leader`` with a deadline, never compare their own clock with a stored time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
-
-import sqlalchemy as sa
 
 from celery_pulse.beat import slot_task_id
-from celery_pulse.store.base import LeaderGrant, ScheduleRow, Slot
-from celery_pulse.store.sql import SqlStore, open_store
-from celery_pulse.store.sql.tables import beat_slots
-from tests.helpers.workers import wait_for
+from celery_pulse.store.base import LeaderGrant, ScheduleRow, Slot, Store
+from celery_pulse.testing import wait_for
+from tests.helpers.stores import other_handle, slot_rows
 
 KEY = "beat"
 TTL = 30.0
 SHORT = 0.3
 
 
-def acquire(store: SqlStore, holder: str, ttl: float = TTL, token: str | None = None
+def acquire(store: Store, holder: str, ttl: float = TTL, token: str | None = None
             ) -> LeaderGrant:
     grant = store.try_acquire(KEY, holder, ttl, token=token)
     assert grant is not None, f"{holder} could not acquire {KEY}"
     return grant
 
 
-def expire(store: SqlStore) -> None:
+def expire(store: Store) -> None:
     """Wait until the current term of KEY is over by the store clock."""
     wait_for(lambda: not _alive(store), 10, "the leader lease to expire by the store clock")
 
 
-def _alive(store: SqlStore, key: str = KEY) -> bool:
+def _alive(store: Store, key: str = KEY) -> bool:
     info = store.get_leader(key)
     return info is not None and info.alive
 
@@ -45,95 +42,90 @@ def slot(due_at: float, entry: str = "e") -> Slot:
                 '{"args": [], "kwargs": {}, "options": {}}')
 
 
-def slot_rows(store: SqlStore) -> list[Any]:
-    with store.engine.connect() as conn:
-        return list(conn.execute(sa.select(beat_slots).order_by(beat_slots.c.entry,
-                                                                beat_slots.c.due_at)))
-
-
 # -- try_acquire / release / get_leader ----------------------------------------------
-def test_acquire_a_free_key(sql_store: SqlStore) -> None:
-    assert sql_store.get_leader(KEY) is None
-    before = sql_store.now()
-    grant = acquire(sql_store, "a")
+def test_acquire_a_free_key(store: Store) -> None:
+    assert store.get_leader(KEY) is None
+    before = store.now()
+    grant = acquire(store, "a")
     assert (grant.key, grant.holder, grant.epoch) == (KEY, "a", 1)
     assert len(grant.token) >= 32
-    assert before + TTL - 5 <= grant.lease_until <= sql_store.now() + TTL
-    info = sql_store.get_leader(KEY)
+    assert before + TTL - 5 <= grant.lease_until <= store.now() + TTL
+    info = store.get_leader(KEY)
     assert info is not None and info.holder == "a" and info.epoch == 1 and info.alive
     assert 0 < info.lease_remaining <= TTL
 
 
-def test_live_lease_of_another_holder_is_refused(sql_store: SqlStore) -> None:
-    grant = acquire(sql_store, "a")
-    assert sql_store.try_acquire(KEY, "b", TTL) is None
-    assert sql_store.try_acquire(KEY, "b", TTL, token="not-the-token") is None
+def test_live_lease_of_another_holder_is_refused(store: Store) -> None:
+    grant = acquire(store, "a")
+    assert store.try_acquire(KEY, "b", TTL) is None
+    assert store.try_acquire(KEY, "b", TTL, token="not-the-token") is None
     # The same holder without the token is not a renewal either (a restarted process).
-    assert sql_store.try_acquire(KEY, "a", TTL) is None
-    info = sql_store.get_leader(KEY)
+    assert store.try_acquire(KEY, "a", TTL) is None
+    info = store.get_leader(KEY)
     assert info is not None and (info.holder, info.epoch) == ("a", grant.epoch)
 
 
-def test_renewal_with_our_token_keeps_token_and_epoch(sql_store: SqlStore) -> None:
-    first = acquire(sql_store, "a", ttl=5.0)
-    again = acquire(sql_store, "a", ttl=TTL, token=first.token)
+def test_renewal_with_our_token_keeps_token_and_epoch(store: Store) -> None:
+    first = acquire(store, "a", ttl=5.0)
+    again = acquire(store, "a", ttl=TTL, token=first.token)
     assert (again.token, again.epoch, again.holder) == (first.token, first.epoch, "a")
     assert again.lease_until > first.lease_until
-    info = sql_store.get_leader(KEY)
+    info = store.get_leader(KEY)
     assert info is not None and info.epoch == first.epoch
 
 
-def test_expired_lease_is_taken_with_a_new_token_and_epoch_plus_one(sql_store: SqlStore) -> None:
-    old = acquire(sql_store, "a", ttl=SHORT)
-    expire(sql_store)
-    new = acquire(sql_store, "b")
+def test_expired_lease_is_taken_with_a_new_token_and_epoch_plus_one(store: Store) -> None:
+    old = acquire(store, "a", ttl=SHORT)
+    expire(store)
+    new = acquire(store, "b")
     assert new.holder == "b" and new.epoch == old.epoch + 1 and new.token != old.token
     # The same holder coming back after expiry also starts a new term.
-    sql_store.release_leader(KEY, new.token)
-    third = acquire(sql_store, "b")
+    store.release_leader(KEY, new.token)
+    third = acquire(store, "b")
     assert third.epoch == new.epoch + 1 and third.token != new.token
 
 
-def test_stale_token_never_extends_a_newer_term(sql_store: SqlStore) -> None:
-    old = acquire(sql_store, "a", ttl=SHORT)
-    expire(sql_store)
-    newer = acquire(sql_store, "b")
-    assert sql_store.try_acquire(KEY, "a", TTL, token=old.token) is None
-    info = sql_store.get_leader(KEY)
+def test_stale_token_never_extends_a_newer_term(store: Store) -> None:
+    old = acquire(store, "a", ttl=SHORT)
+    expire(store)
+    newer = acquire(store, "b")
+    assert store.try_acquire(KEY, "a", TTL, token=old.token) is None
+    info = store.get_leader(KEY)
     assert info is not None and (info.holder, info.epoch) == ("b", newer.epoch)
-    assert sql_store.try_acquire(KEY, "b", TTL, token=newer.token) is not None
+    assert store.try_acquire(KEY, "b", TTL, token=newer.token) is not None
 
 
-def test_release_only_by_token(sql_store: SqlStore) -> None:
-    grant = acquire(sql_store, "a")
-    assert sql_store.release_leader(KEY, "not-the-token") is False
-    assert _alive(sql_store)
-    assert sql_store.release_leader(KEY, grant.token) is True
-    assert not _alive(sql_store)
+def test_release_only_by_token(store: Store) -> None:
+    grant = acquire(store, "a")
+    assert store.release_leader(KEY, "not-the-token") is False
+    assert _alive(store)
+    assert store.release_leader(KEY, grant.token) is True
+    assert not _alive(store)
     # Released: the next candidate takes over at once, in a new term.
-    new = acquire(sql_store, "b")
+    new = acquire(store, "b")
     assert new.epoch == grant.epoch + 1
     # The old token can no longer release the new term.
-    assert sql_store.release_leader(KEY, grant.token) is False
-    assert _alive(sql_store)
+    assert store.release_leader(KEY, grant.token) is False
+    assert _alive(store)
 
 
-def test_keys_are_independent(sql_store: SqlStore) -> None:
-    acquire(sql_store, "a")
-    other = sql_store.try_acquire("other", "b", TTL)
+def test_keys_are_independent(store: Store) -> None:
+    acquire(store, "a")
+    other = store.try_acquire("other", "b", TTL)
     assert other is not None and other.epoch == 1
 
 
-def test_racing_candidates_exactly_one_wins(sql_store: SqlStore, store_url: str) -> None:
+def test_racing_candidates_exactly_one_wins(store: Store) -> None:
     """Four threads, each on its own engine, race for a key, free or expired: one wins."""
-    stores = [open_store(store_url) for _ in range(4)]  # sql_store migrated the schema
+    handles = contextlib.ExitStack()
+    stores = [handles.enter_context(other_handle(store)) for _ in range(4)]
     try:
         for r in range(8):
             key = f"race-{r}"
             expected_epoch = 1
             if r % 2:  # a failover race: the previous term just expired
-                assert sql_store.try_acquire(key, "old", SHORT) is not None
-                wait_for(lambda key=key: not _alive(sql_store, key), 10,
+                assert store.try_acquire(key, "old", SHORT) is not None
+                wait_for(lambda key=key: not _alive(store, key), 10,
                          "the old term to expire")
                 expected_epoch = 2
             barrier = threading.Barrier(len(stores))
@@ -162,107 +154,106 @@ def test_racing_candidates_exactly_one_wins(sql_store: SqlStore, store_url: str)
             assert info is not None and (info.holder, info.epoch) == (winners[0].holder,
                                                                       expected_epoch)
     finally:
-        for s in stores:
-            s.close()
+        handles.close()
 
 
 # -- beat slots ---------------------------------------------------------------------
-def test_fire_slot_records_once_per_entry_and_due_time(sql_store: SqlStore) -> None:
-    g = acquire(sql_store, "a")
-    assert sql_store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is True
-    assert sql_store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is False
-    assert sql_store.fire_slot(KEY, g.token, g.epoch, slot(100.0, entry="f")) is True
-    rows = slot_rows(sql_store)
+def test_fire_slot_records_once_per_entry_and_due_time(store: Store) -> None:
+    g = acquire(store, "a")
+    assert store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is True
+    assert store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is False
+    assert store.fire_slot(KEY, g.token, g.epoch, slot(100.0, entry="f")) is True
+    rows = slot_rows(store)
     assert [(r.entry, r.due_at, r.leader_epoch) for r in rows] == [("e", 100.0, g.epoch),
                                                                    ("f", 100.0, g.epoch)]
     assert rows[0].task_id == slot_task_id("e", 100.0)
     assert rows[0].published_at is None
 
 
-def test_fire_slot_advances_last_run_never_backwards(sql_store: SqlStore) -> None:
-    g = acquire(sql_store, "a")
-    assert sql_store.last_run() == {}
-    sql_store.fire_slot(KEY, g.token, g.epoch, slot(100.0))
-    assert sql_store.last_run() == {"e": 100.0}
-    sql_store.fire_slot(KEY, g.token, g.epoch, slot(120.0))
-    assert sql_store.last_run() == {"e": 120.0}
-    sql_store.fire_slot(KEY, g.token, g.epoch, slot(110.0))  # late catch-up of an older slot
-    assert sql_store.last_run() == {"e": 120.0}
+def test_fire_slot_advances_last_run_never_backwards(store: Store) -> None:
+    g = acquire(store, "a")
+    assert store.last_run() == {}
+    store.fire_slot(KEY, g.token, g.epoch, slot(100.0))
+    assert store.last_run() == {"e": 100.0}
+    store.fire_slot(KEY, g.token, g.epoch, slot(120.0))
+    assert store.last_run() == {"e": 120.0}
+    store.fire_slot(KEY, g.token, g.epoch, slot(110.0))  # late catch-up of an older slot
+    assert store.last_run() == {"e": 120.0}
 
 
-def test_init_last_run_only_sets_a_missing_entry(sql_store: SqlStore) -> None:
-    assert sql_store.init_last_run("e", 50.0) == 50.0
-    assert sql_store.init_last_run("e", 70.0) == 50.0
-    g = acquire(sql_store, "a")
-    sql_store.fire_slot(KEY, g.token, g.epoch, slot(60.0))
-    assert sql_store.init_last_run("e", 10.0) == 60.0
-    assert sql_store.last_run() == {"e": 60.0}
+def test_init_last_run_only_sets_a_missing_entry(store: Store) -> None:
+    assert store.init_last_run("e", 50.0) == 50.0
+    assert store.init_last_run("e", 70.0) == 50.0
+    g = acquire(store, "a")
+    store.fire_slot(KEY, g.token, g.epoch, slot(60.0))
+    assert store.init_last_run("e", 10.0) == 60.0
+    assert store.last_run() == {"e": 60.0}
 
 
-def test_fire_slot_refused_after_the_term_expired(sql_store: SqlStore) -> None:
-    g = acquire(sql_store, "a", ttl=SHORT)
-    sql_store.init_last_run("e", 90.0)
-    expire(sql_store)
+def test_fire_slot_refused_after_the_term_expired(store: Store) -> None:
+    g = acquire(store, "a", ttl=SHORT)
+    store.init_last_run("e", 90.0)
+    expire(store)
     # Nobody took over; the term is over by the store clock all the same.
-    assert sql_store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is False
-    assert slot_rows(sql_store) == []
-    assert sql_store.last_run() == {"e": 90.0}
+    assert store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is False
+    assert slot_rows(store) == []
+    assert store.last_run() == {"e": 90.0}
 
 
-def test_fire_slot_refused_after_release(sql_store: SqlStore) -> None:
-    g = acquire(sql_store, "a")
-    sql_store.release_leader(KEY, g.token)
-    assert sql_store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is False
-    assert slot_rows(sql_store) == []
+def test_fire_slot_refused_after_release(store: Store) -> None:
+    g = acquire(store, "a")
+    store.release_leader(KEY, g.token)
+    assert store.fire_slot(KEY, g.token, g.epoch, slot(100.0)) is False
+    assert slot_rows(store) == []
 
 
-def test_fire_slot_refused_with_a_stale_token_or_epoch(sql_store: SqlStore) -> None:
-    old = acquire(sql_store, "a", ttl=SHORT)
-    expire(sql_store)
-    new = acquire(sql_store, "b")
-    assert sql_store.fire_slot(KEY, old.token, old.epoch, slot(100.0)) is False
-    assert sql_store.fire_slot(KEY, old.token, new.epoch, slot(100.0)) is False
-    assert sql_store.fire_slot(KEY, new.token, old.epoch, slot(100.0)) is False
-    assert sql_store.fire_slot(KEY, "", new.epoch, slot(100.0)) is False
-    assert sql_store.fire_slot("other-key", new.token, new.epoch, slot(100.0)) is False
-    assert slot_rows(sql_store) == [] and sql_store.last_run() == {}
-    assert sql_store.fire_slot(KEY, new.token, new.epoch, slot(100.0)) is True
-    assert [r.leader_epoch for r in slot_rows(sql_store)] == [new.epoch]
+def test_fire_slot_refused_with_a_stale_token_or_epoch(store: Store) -> None:
+    old = acquire(store, "a", ttl=SHORT)
+    expire(store)
+    new = acquire(store, "b")
+    assert store.fire_slot(KEY, old.token, old.epoch, slot(100.0)) is False
+    assert store.fire_slot(KEY, old.token, new.epoch, slot(100.0)) is False
+    assert store.fire_slot(KEY, new.token, old.epoch, slot(100.0)) is False
+    assert store.fire_slot(KEY, "", new.epoch, slot(100.0)) is False
+    assert store.fire_slot("other-key", new.token, new.epoch, slot(100.0)) is False
+    assert slot_rows(store) == [] and store.last_run() == {}
+    assert store.fire_slot(KEY, new.token, new.epoch, slot(100.0)) is True
+    assert [r.leader_epoch for r in slot_rows(store)] == [new.epoch]
 
 
 def test_a_slot_recorded_by_one_term_is_not_recorded_again_by_the_next(
-        sql_store: SqlStore) -> None:
-    old = acquire(sql_store, "a", ttl=SHORT)
-    assert sql_store.fire_slot(KEY, old.token, old.epoch, slot(100.0)) is True
-    expire(sql_store)
-    new = acquire(sql_store, "b")
-    assert sql_store.fire_slot(KEY, new.token, new.epoch, slot(100.0)) is False
-    assert [(r.due_at, r.leader_epoch) for r in slot_rows(sql_store)] == [(100.0, old.epoch)]
+        store: Store) -> None:
+    old = acquire(store, "a", ttl=SHORT)
+    assert store.fire_slot(KEY, old.token, old.epoch, slot(100.0)) is True
+    expire(store)
+    new = acquire(store, "b")
+    assert store.fire_slot(KEY, new.token, new.epoch, slot(100.0)) is False
+    assert [(r.due_at, r.leader_epoch) for r in slot_rows(store)] == [(100.0, old.epoch)]
 
 
-def test_unpublished_slots_until_marked(sql_store: SqlStore) -> None:
-    g = acquire(sql_store, "a")
+def test_unpublished_slots_until_marked(store: Store) -> None:
+    g = acquire(store, "a")
     for due in (300.0, 100.0, 200.0):
-        sql_store.fire_slot(KEY, g.token, g.epoch, slot(due))
-    assert [s.due_at for s in sql_store.unpublished_slots()] == [100.0, 200.0, 300.0]
-    assert sql_store.unpublished_slots()[0] == slot(100.0)  # same task id and payload
-    assert len(sql_store.unpublished_slots(limit=2)) == 2
-    sql_store.mark_slot_published("e", 200.0)
-    assert [s.due_at for s in sql_store.unpublished_slots()] == [100.0, 300.0]
-    (row,) = [r for r in slot_rows(sql_store) if r.due_at == 200.0]
+        store.fire_slot(KEY, g.token, g.epoch, slot(due))
+    assert [s.due_at for s in store.unpublished_slots()] == [100.0, 200.0, 300.0]
+    assert store.unpublished_slots()[0] == slot(100.0)  # same task id and payload
+    assert len(store.unpublished_slots(limit=2)) == 2
+    store.mark_slot_published("e", 200.0)
+    assert [s.due_at for s in store.unpublished_slots()] == [100.0, 300.0]
+    (row,) = [r for r in slot_rows(store) if r.due_at == 200.0]
     assert row.published_at is not None
 
 
-def test_due_times_round_trip_exactly(sql_store: SqlStore) -> None:
+def test_due_times_round_trip_exactly(store: Store) -> None:
     """Epoch-second due times with millisecond parts come back bit-identical (the key)."""
-    g = acquire(sql_store, "a")
+    g = acquire(store, "a")
     due = 1_712_345_678.123
-    assert sql_store.fire_slot(KEY, g.token, g.epoch, slot(due)) is True
-    assert sql_store.fire_slot(KEY, g.token, g.epoch, slot(due)) is False
-    assert sql_store.last_run() == {"e": due}
-    assert sql_store.unpublished_slots()[0].due_at == due
-    sql_store.mark_slot_published("e", due)
-    assert sql_store.unpublished_slots() == []
+    assert store.fire_slot(KEY, g.token, g.epoch, slot(due)) is True
+    assert store.fire_slot(KEY, g.token, g.epoch, slot(due)) is False
+    assert store.last_run() == {"e": due}
+    assert store.unpublished_slots()[0].due_at == due
+    store.mark_slot_published("e", due)
+    assert store.unpublished_slots() == []
 
 
 # -- dynamic schedule ---------------------------------------------------------------
@@ -271,21 +262,21 @@ def _row(name: str, every: float = 5.0, enabled: bool = True) -> ScheduleRow:
                        '{"k": 2}', "{}", enabled, 0.0)
 
 
-def test_schedule_put_list_replace_pause_remove(sql_store: SqlStore) -> None:
-    assert sql_store.list_schedule() == []
-    sql_store.put_schedule(_row("b"))
-    sql_store.put_schedule(_row("a"))
-    rows = sql_store.list_schedule()
+def test_schedule_put_list_replace_pause_remove(store: Store) -> None:
+    assert store.list_schedule() == []
+    store.put_schedule(_row("b"))
+    store.put_schedule(_row("a"))
+    rows = store.list_schedule()
     assert [r.name for r in rows] == ["a", "b"]
     assert (rows[0].args, rows[0].kwargs, rows[0].enabled) == ("[1]", '{"k": 2}', True)
     assert rows[0].updated_at > 0
-    sql_store.put_schedule(_row("a", every=9.0))  # replace
-    assert [r.spec for r in sql_store.list_schedule() if r.name == "a"] == ['{"every": 9.0}']
-    assert sql_store.set_schedule_enabled("a", False) is True
-    assert [r.enabled for r in sql_store.list_schedule()] == [False, True]
-    assert sql_store.set_schedule_enabled("missing", True) is False
-    assert sql_store.remove_schedule("a") is True
-    assert sql_store.remove_schedule("a") is False
-    assert [r.name for r in sql_store.list_schedule()] == ["b"]
+    store.put_schedule(_row("a", every=9.0))  # replace
+    assert [r.spec for r in store.list_schedule() if r.name == "a"] == ['{"every": 9.0}']
+    assert store.set_schedule_enabled("a", False) is True
+    assert [r.enabled for r in store.list_schedule()] == [False, True]
+    assert store.set_schedule_enabled("missing", True) is False
+    assert store.remove_schedule("a") is True
+    assert store.remove_schedule("a") is False
+    assert [r.name for r in store.list_schedule()] == ["b"]
 
 

@@ -1,20 +1,20 @@
-"""The Recover and review contract (``RecoverStore`` in ``celery_pulse.store.base``).
+"""The Recover and review contract (``RecoverStore`` in ``celery_pulse.store.contracts``).
 
-Each test runs on SQLite and PostgreSQL (``sql_store``; the store is in the test id).
+Each test runs on every store (``store``: memory, SQLite, PostgreSQL, MariaDB; the store
+is in the test id).
 Expiry is by the store clock: the tests grant short leases and poll the store until
 they have run out, never sleep a fixed time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
-import sqlalchemy as sa
 
 from celery_pulse.errors import InvalidConfig, NotFound
 from celery_pulse.store.base import (
@@ -31,26 +31,20 @@ from celery_pulse.store.base import (
     Recovered,
     Refusal,
     ReserveRequest,
+    Store,
 )
-from celery_pulse.store.sql import SqlStore, open_store
-from celery_pulse.store.sql.tables import reviews
+from celery_pulse.testing import wait_for
+from tests.helpers.stores import other_handle, review_audit
 
 HOLDER = "w1@host"
 SCANNER = "w2@host"
 SHORT = 0.05  # seconds: a lease that is expired by the time the test polls
 LONG = 60.0
+#: How long a test waits for something the store clock decides.
+WAIT = 15.0
 
 
 # -- helpers ---------------------------------------------------------------------------
-def wait_until(predicate: Callable[[], object], timeout: float = 15.0,
-               what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def celery_message(task_id: str, name: str = "proj.tasks.charge", queue: str = "billing"
                    ) -> Message:
     """A message shaped like Celery's task protocol 2 (what a worker would store)."""
@@ -77,7 +71,7 @@ def new_id() -> str:
     return str(uuid.uuid4())
 
 
-def reserve(store: SqlStore, task_id: str, *, ttl: float = LONG, holder: str = HOLDER,
+def reserve(store: Store, task_id: str, *, ttl: float = LONG, holder: str = HOLDER,
             policy: str = "redispatch", max_attempts: int = 5) -> Grant:
     (grant,) = store.reserve(holder, [request(task_id, policy=policy,
                                               max_attempts=max_attempts)], ttl)
@@ -85,7 +79,7 @@ def reserve(store: SqlStore, task_id: str, *, ttl: float = LONG, holder: str = H
     return grant
 
 
-def started(store: SqlStore, task_id: str, *, ttl: float = SHORT, policy: str = "redispatch",
+def started(store: Store, task_id: str, *, ttl: float = SHORT, policy: str = "redispatch",
             max_attempts: int = 5) -> Grant:
     """A running claim whose lease lasts ``ttl``."""
     grant = reserve(store, task_id, policy=policy, max_attempts=max_attempts)
@@ -93,13 +87,13 @@ def started(store: SqlStore, task_id: str, *, ttl: float = SHORT, policy: str = 
     return grant
 
 
-def claim(store: SqlStore, task_id: str) -> ClaimInfo:
+def claim(store: Store, task_id: str) -> ClaimInfo:
     found = [c for c in store.list_claims(limit=10_000) if c.task_id == task_id]
     assert len(found) == 1, found
     return found[0]
 
 
-def wait_expired(store: SqlStore, task_ids: Sequence[str]) -> None:
+def wait_expired(store: Store, task_ids: Sequence[str]) -> None:
     """Until every lease of ``task_ids`` has run out by the store clock."""
     wanted = set(task_ids)
 
@@ -107,15 +101,11 @@ def wait_expired(store: SqlStore, task_ids: Sequence[str]) -> None:
         rows = [c for c in store.list_claims(limit=10_000) if c.task_id in wanted]
         return len(rows) == len(wanted) and all(
             c.lease_remaining is not None and c.lease_remaining <= 0 for c in rows)
-    wait_until(expired, what=f"{len(wanted)} lease(s) to expire by the store clock")
+    wait_for(expired, timeout=WAIT, what=f"{len(wanted)} lease(s) to expire by the store clock")
 
 
-def audit(store: SqlStore) -> list[tuple[str, str, str | None, str | None, str]]:
-    with store.engine.connect() as conn:
-        rows = conn.execute(sa.select(reviews.c.task_id, reviews.c.action, reviews.c.outcome,
-                                      reviews.c.note, reviews.c.decided_by)
-                            .order_by(reviews.c.id)).all()
-    return [(r.task_id, r.action, r.outcome, r.note, r.decided_by) for r in rows]
+def audit(store: Store) -> list[tuple[str, str, str | None, str | None, str]]:
+    return review_audit(store)
 
 
 def only(items: list[Recovered]) -> Recovered:
@@ -125,116 +115,116 @@ def only(items: list[Recovered]) -> Recovered:
 
 # -- takeover verdicts ---------------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["redispatch", "review"])
-def test_expired_reservation_reopens_under_a_new_epoch_and_token(sql_store: SqlStore,
+def test_expired_reservation_reopens_under_a_new_epoch_and_token(store: Store,
                                                                  policy: str) -> None:
     """Never started: safe to re-dispatch whatever the task's policy."""
     tid = new_id()
-    grant = reserve(sql_store, tid, ttl=SHORT, policy=policy)
-    wait_expired(sql_store, [tid])
+    grant = reserve(store, tid, ttl=SHORT, policy=policy)
+    wait_expired(store, [tid])
 
-    item = only(sql_store.recover(SCANNER, 10, LONG))
+    item = only(store.recover(SCANNER, 10, LONG))
     assert (item.task_id, item.state, item.was, item.epoch) == (tid, OPEN, RESERVED, 2)
     assert item.token and item.token != grant.token
     assert item.message == celery_message(tid)  # byte-exact, ready to re-publish
     assert item.task_name == "proj.tasks.charge" and item.attempts == 1
-    row = claim(sql_store, tid)
+    row = claim(store, tid)
     assert (row.state, row.holder, row.epoch, row.attempts) == (OPEN, SCANNER, 2, 1)
     assert row.lease_remaining is not None and LONG - 10 < row.lease_remaining <= LONG
     # The old credential is dead for every operation.
-    assert sql_store.start(HOLDER, tid, grant.epoch, grant.token, LONG) is None
-    assert sql_store.renew(HOLDER, [(tid, grant.epoch, grant.token)], LONG) == (set(), set())
-    assert sql_store.complete(HOLDER, [Completion(tid, grant.epoch, grant.token, SUCCEEDED)]
+    assert store.start(HOLDER, tid, grant.epoch, grant.token, LONG) is None
+    assert store.renew(HOLDER, [(tid, grant.epoch, grant.token)], LONG) == (set(), set())
+    assert store.complete(HOLDER, [Completion(tid, grant.epoch, grant.token, SUCCEEDED)]
                               ) == {tid: "evidence"}
     # Under its publish lease, no other scan takes it.
-    assert sql_store.recover("w3@host", 10, LONG) == []
+    assert store.recover("w3@host", 10, LONG) == []
 
 
-def test_expired_running_redispatch_claim_reopens(sql_store: SqlStore) -> None:
+def test_expired_running_redispatch_claim_reopens(store: Store) -> None:
     tid = new_id()
-    grant = started(sql_store, tid, policy="redispatch")
-    wait_expired(sql_store, [tid])
-    item = only(sql_store.recover(SCANNER, 10, LONG))
+    grant = started(store, tid, policy="redispatch")
+    wait_expired(store, [tid])
+    item = only(store.recover(SCANNER, 10, LONG))
     assert (item.state, item.was, item.epoch) == (OPEN, RUNNING, grant.epoch + 1)
     assert item.token and item.token != grant.token
-    assert claim(sql_store, tid).state == OPEN
+    assert claim(store, tid).state == OPEN
 
 
-def test_expired_running_review_claim_needs_review(sql_store: SqlStore) -> None:
+def test_expired_running_review_claim_needs_review(store: Store) -> None:
     tid = new_id()
-    grant = started(sql_store, tid, policy="review")
-    wait_expired(sql_store, [tid])
-    item = only(sql_store.recover(SCANNER, 10, LONG))
+    grant = started(store, tid, policy="review")
+    wait_expired(store, [tid])
+    item = only(store.recover(SCANNER, 10, LONG))
     assert (item.state, item.was, item.epoch, item.token) == (NEEDS_REVIEW, RUNNING, 2, None)
-    row = claim(sql_store, tid)
+    row = claim(store, tid)
     assert (row.state, row.epoch, row.lease_remaining, row.outcome) == (NEEDS_REVIEW, 2, None,
                                                                         "unknown")
-    (listed,) = sql_store.list_review()
+    (listed,) = store.list_review()
     assert (listed.task_id, listed.task_name, listed.last_holder, listed.epoch) == (
         tid, "proj.tasks.charge", HOLDER, 2)
     assert "(42,)" in listed.args_summary and "amount" in listed.args_summary
     # Taken once only; a late delivery is refused as terminal; the stale holder's
     # completion is evidence, not the outcome.
-    assert sql_store.recover("w3@host", 10, LONG) == []
-    (refusal,) = sql_store.reserve("w3@host", [request(tid, policy="review")], LONG)
+    assert store.recover("w3@host", 10, LONG) == []
+    (refusal,) = store.reserve("w3@host", [request(tid, policy="review")], LONG)
     assert isinstance(refusal, Refusal) and refusal.reason == "terminal"
-    assert sql_store.complete(HOLDER, [Completion(tid, grant.epoch, grant.token, SUCCEEDED)]
+    assert store.complete(HOLDER, [Completion(tid, grant.epoch, grant.token, SUCCEEDED)]
                               ) == {tid: "evidence"}
-    assert claim(sql_store, tid).state == NEEDS_REVIEW
+    assert claim(store, tid).state == NEEDS_REVIEW
 
 
 @pytest.mark.parametrize("was", [RESERVED, RUNNING])
-def test_exhausted_budget_fails(sql_store: SqlStore, was: str) -> None:
+def test_exhausted_budget_fails(store: Store, was: str) -> None:
     tid = new_id()
     if was == RUNNING:
-        started(sql_store, tid, policy="redispatch", max_attempts=1)
+        started(store, tid, policy="redispatch", max_attempts=1)
     else:
-        reserve(sql_store, tid, ttl=SHORT, max_attempts=1)
-    wait_expired(sql_store, [tid])
-    item = only(sql_store.recover(SCANNER, 10, LONG))
+        reserve(store, tid, ttl=SHORT, max_attempts=1)
+    wait_expired(store, [tid])
+    item = only(store.recover(SCANNER, 10, LONG))
     assert (item.state, item.was, item.epoch, item.token) == (FAILED, was, 2, None)
-    row = claim(sql_store, tid)
+    row = claim(store, tid)
     assert (row.state, row.outcome, row.lease_remaining) == (FAILED, "exhausted", None)
     assert row.finished_at is not None
-    assert sql_store.recover(SCANNER, 10, LONG) == []
+    assert store.recover(SCANNER, 10, LONG) == []
 
 
-def test_unexpired_and_finished_claims_are_untouched(sql_store: SqlStore) -> None:
+def test_unexpired_and_finished_claims_are_untouched(store: Store) -> None:
     live_reserved, live_running, done, expired = new_id(), new_id(), new_id(), new_id()
-    reserve(sql_store, live_reserved)
-    started(sql_store, live_running, ttl=LONG)
-    g = reserve(sql_store, done, ttl=SHORT)
-    assert sql_store.complete(HOLDER, [Completion(done, g.epoch, g.token, SUCCEEDED)]
+    reserve(store, live_reserved)
+    started(store, live_running, ttl=LONG)
+    g = reserve(store, done, ttl=SHORT)
+    assert store.complete(HOLDER, [Completion(done, g.epoch, g.token, SUCCEEDED)]
                               ) == {done: "applied"}
-    reserve(sql_store, expired, ttl=SHORT)
-    before = {t: claim(sql_store, t) for t in (live_reserved, live_running, done)}
-    wait_expired(sql_store, [expired])
+    reserve(store, expired, ttl=SHORT)
+    before = {t: claim(store, t) for t in (live_reserved, live_running, done)}
+    wait_expired(store, [expired])
 
-    assert [i.task_id for i in sql_store.recover(SCANNER, 10, LONG)] == [expired]
+    assert [i.task_id for i in store.recover(SCANNER, 10, LONG)] == [expired]
     for tid, old in before.items():
-        new = claim(sql_store, tid)
+        new = claim(store, tid)
         assert (new.state, new.holder, new.epoch, new.attempts) == (
             old.state, old.holder, old.epoch, old.attempts), tid
 
 
-def test_batch_limits_each_scan(sql_store: SqlStore) -> None:
+def test_batch_limits_each_scan(store: Store) -> None:
     ids = [new_id() for _ in range(5)]
-    sql_store.reserve(HOLDER, [request(t) for t in ids], SHORT)
-    wait_expired(sql_store, ids)
-    first = sql_store.recover(SCANNER, 3, LONG)
-    second = sql_store.recover(SCANNER, 3, LONG)
+    store.reserve(HOLDER, [request(t) for t in ids], SHORT)
+    wait_expired(store, ids)
+    first = store.recover(SCANNER, 3, LONG)
+    second = store.recover(SCANNER, 3, LONG)
     assert len(first) == 3 and len(second) == 2
     assert {i.task_id for i in first + second} == set(ids)
 
 
 # -- concurrency -----------------------------------------------------------------------------
-def test_two_concurrent_scanners_never_take_the_same_claim(sql_store: SqlStore) -> None:
+def test_two_concurrent_scanners_never_take_the_same_claim(store: Store) -> None:
     ids = [new_id() for _ in range(100)]
-    grants = sql_store.reserve(HOLDER, [request(t) for t in ids], SHORT)
+    grants = store.reserve(HOLDER, [request(t) for t in ids], SHORT)
     assert all(isinstance(g, Grant) for g in grants)
-    wait_expired(sql_store, ids)
+    wait_expired(store, ids)
 
-    url = sql_store.engine.url.render_as_string(hide_password=False)
-    stores = [open_store(url), open_store(url)]
+    handles = contextlib.ExitStack()
+    stores = [handles.enter_context(other_handle(store)) for _ in range(2)]
     barrier = threading.Barrier(2)
     taken: list[list[Recovered]] = [[], []]
     errors: list[BaseException] = []
@@ -254,8 +244,7 @@ def test_two_concurrent_scanners_never_take_the_same_claim(sql_store: SqlStore) 
         for t in threads:
             t.join(60)
     finally:
-        for s in stores:
-            s.close()
+        handles.close()
     assert not errors, errors
     assert not any(t.is_alive() for t in threads)
     a, b = ({i.task_id for i in part} for part in taken)
@@ -263,70 +252,70 @@ def test_two_concurrent_scanners_never_take_the_same_claim(sql_store: SqlStore) 
     assert a.isdisjoint(b)
     assert a | b == set(ids)
     assert {(i.epoch, i.state) for part in taken for i in part} == {(2, OPEN)}
-    assert {claim(sql_store, t).epoch for t in ids} == {2}
+    assert {claim(store, t).epoch for t in ids} == {2}
     print(f"\nscanner split: {len(a)} / {len(b)}")
 
 
 # -- publish lease -----------------------------------------------------------------------------
-def test_open_claim_with_expired_publish_lease_is_taken_again(sql_store: SqlStore) -> None:
+def test_open_claim_with_expired_publish_lease_is_taken_again(store: Store) -> None:
     """The scanner died between taking the claim and publishing: the next scan retries."""
     tid = new_id()
-    reserve(sql_store, tid, ttl=SHORT)
-    wait_expired(sql_store, [tid])
-    first = only(sql_store.recover(SCANNER, 10, SHORT))
-    wait_expired(sql_store, [tid])
-    second = only(sql_store.recover("w3@host", 10, LONG))
+    reserve(store, tid, ttl=SHORT)
+    wait_expired(store, [tid])
+    first = only(store.recover(SCANNER, 10, SHORT))
+    wait_expired(store, [tid])
+    second = only(store.recover("w3@host", 10, LONG))
     assert (second.task_id, second.state, second.was) == (tid, OPEN, OPEN)
     assert second.epoch == first.epoch + 1 and second.token != first.token
     assert second.message == first.message
-    assert claim(sql_store, tid).holder == "w3@host"
+    assert claim(store, tid).holder == "w3@host"
     # The dead scanner's late confirmation does not count; the live one's does.
     assert first.token is not None and second.token is not None
-    assert sql_store.mark_published([(tid, first.epoch, first.token)]) == 0
-    assert claim(sql_store, tid).lease_remaining is not None
-    assert sql_store.mark_published([(tid, second.epoch, second.token)]) == 1
+    assert store.mark_published([(tid, first.epoch, first.token)]) == 0
+    assert claim(store, tid).lease_remaining is not None
+    assert store.mark_published([(tid, second.epoch, second.token)]) == 1
 
 
-def test_mark_published_clears_the_lease(sql_store: SqlStore) -> None:
+def test_mark_published_clears_the_lease(store: Store) -> None:
     tid = new_id()
-    reserve(sql_store, tid, ttl=SHORT)
-    wait_expired(sql_store, [tid])
-    t0 = sql_store.now()
-    item = only(sql_store.recover(SCANNER, 10, SHORT))
+    reserve(store, tid, ttl=SHORT)
+    wait_expired(store, [tid])
+    t0 = store.now()
+    item = only(store.recover(SCANNER, 10, SHORT))
     assert item.token is not None
-    assert sql_store.mark_published([(tid, item.epoch, "not-the-token")]) == 0
-    assert sql_store.mark_published([(tid, item.epoch, item.token)]) == 1
-    assert sql_store.mark_published([(tid, item.epoch, item.token)]) == 0  # token is gone
-    row = claim(sql_store, tid)
+    assert store.mark_published([(tid, item.epoch, "not-the-token")]) == 0
+    assert store.mark_published([(tid, item.epoch, item.token)]) == 1
+    assert store.mark_published([(tid, item.epoch, item.token)]) == 0  # token is gone
+    row = claim(store, tid)
     assert (row.state, row.holder, row.lease_remaining, row.epoch) == (OPEN, None, None, 2)
     # Past the moment the publish lease would have run out, no scan takes it...
-    wait_until(lambda: sql_store.now() > t0 + 10 * SHORT, what="the store clock to move on")
-    assert sql_store.recover("w3@host", 10, LONG) == []
-    assert sql_store.claim_counts().get("expired", 0) == 0
+    wait_for(lambda: store.now() > t0 + 10 * SHORT, timeout=WAIT, what="the store clock to move on")
+    assert store.recover("w3@host", 10, LONG) == []
+    assert store.claim_counts().get("expired", 0) == 0
     # ...and the re-published delivery reserves it under the next epoch.
-    grant = reserve(sql_store, tid, holder="w3@host")
+    grant = reserve(store, tid, holder="w3@host")
     assert (grant.epoch, grant.attempts) == (3, 2)
 
 
 def test_mark_published_after_the_redelivery_was_reserved_changes_nothing(
-        sql_store: SqlStore) -> None:
+        store: Store) -> None:
     """The re-published message can be reserved before the scanner confirms the publish."""
     tid = new_id()
-    reserve(sql_store, tid, ttl=SHORT)
-    wait_expired(sql_store, [tid])
-    item = only(sql_store.recover(SCANNER, 10, LONG))
-    grant = reserve(sql_store, tid, holder="w3@host")
+    reserve(store, tid, ttl=SHORT)
+    wait_expired(store, [tid])
+    item = only(store.recover(SCANNER, 10, LONG))
+    grant = reserve(store, tid, holder="w3@host")
     assert grant.epoch == item.epoch + 1
     assert item.token is not None
-    assert sql_store.mark_published([(tid, item.epoch, item.token)]) == 0
-    row = claim(sql_store, tid)
+    assert store.mark_published([(tid, item.epoch, item.token)]) == 0
+    row = claim(store, tid)
     assert (row.state, row.holder, row.epoch) == (RESERVED, "w3@host", grant.epoch)
     assert row.lease_remaining is not None and row.lease_remaining > 0
-    assert sql_store.start("w3@host", tid, grant.epoch, grant.token, LONG) is not None
+    assert store.start("w3@host", tid, grant.epoch, grant.token, LONG) is not None
 
 
 # -- review ------------------------------------------------------------------------------------
-def needs_review(store: SqlStore) -> str:
+def needs_review(store: Store) -> str:
     tid = new_id()
     started(store, tid, policy="review")
     wait_expired(store, [tid])
@@ -334,62 +323,62 @@ def needs_review(store: SqlStore) -> str:
     return tid
 
 
-def test_review_retry_reopens_once_and_is_audited(sql_store: SqlStore) -> None:
-    tid = needs_review(sql_store)
-    item = sql_store.review_retry(tid, "review:ops", LONG, "ops@host", "checked: not applied")
+def test_review_retry_reopens_once_and_is_audited(store: Store) -> None:
+    tid = needs_review(store)
+    item = store.review_retry(tid, "review:ops", LONG, "ops@host", "checked: not applied")
     assert (item.task_id, item.state, item.was, item.epoch) == (tid, OPEN, NEEDS_REVIEW, 3)
     assert item.token and item.message == celery_message(tid)
-    assert sql_store.list_review() == []
+    assert store.list_review() == []
     with pytest.raises(NotFound):
-        sql_store.review_retry(tid, "review:ops", LONG, "ops@host", None)  # already re-opened
+        store.review_retry(tid, "review:ops", LONG, "ops@host", None)  # already re-opened
     assert item.token is not None
-    assert sql_store.mark_published([(tid, item.epoch, item.token)]) == 1
-    grant = reserve(sql_store, tid, holder="w3@host", policy="review")
+    assert store.mark_published([(tid, item.epoch, item.token)]) == 1
+    grant = reserve(store, tid, holder="w3@host", policy="review")
     assert grant.epoch == 4
-    assert audit(sql_store) == [(tid, "retry", None, "checked: not applied", "ops@host")]
+    assert audit(store) == [(tid, "retry", None, "checked: not applied", "ops@host")]
 
 
-def test_review_retry_of_an_exhausted_task_grants_one_more_attempt(sql_store: SqlStore) -> None:
+def test_review_retry_of_an_exhausted_task_grants_one_more_attempt(store: Store) -> None:
     tid = new_id()
-    reserve(sql_store, tid, ttl=SHORT, max_attempts=1)
-    wait_expired(sql_store, [tid])
-    assert only(sql_store.recover(SCANNER, 10, LONG)).state == FAILED
-    item = sql_store.review_retry(tid, "review:ops", LONG, "ops@host", None)
+    reserve(store, tid, ttl=SHORT, max_attempts=1)
+    wait_expired(store, [tid])
+    assert only(store.recover(SCANNER, 10, LONG)).state == FAILED
+    item = store.review_retry(tid, "review:ops", LONG, "ops@host", None)
     assert item.token is not None
-    sql_store.mark_published([(tid, item.epoch, item.token)])
-    grant = reserve(sql_store, tid, holder="w3@host")
+    store.mark_published([(tid, item.epoch, item.token)])
+    grant = reserve(store, tid, holder="w3@host")
     assert grant.attempts == 2
-    row = claim(sql_store, tid)
+    row = claim(store, tid)
     assert (row.state, row.attempts, row.max_attempts) == (RESERVED, 2, 2)
 
 
 @pytest.mark.parametrize("outcome", [SUCCEEDED, FAILED])
-def test_review_resolve_closes_and_is_audited(sql_store: SqlStore, outcome: str) -> None:
-    tid = needs_review(sql_store)
-    sql_store.review_resolve(tid, outcome, "ops@host", "refunded by hand")
-    row = claim(sql_store, tid)
+def test_review_resolve_closes_and_is_audited(store: Store, outcome: str) -> None:
+    tid = needs_review(store)
+    store.review_resolve(tid, outcome, "ops@host", "refunded by hand")
+    row = claim(store, tid)
     assert (row.state, row.outcome) == (outcome, outcome)
     assert row.finished_at is not None
-    assert sql_store.list_review() == []
-    assert audit(sql_store) == [(tid, "resolve", outcome, "refunded by hand", "ops@host")]
+    assert store.list_review() == []
+    assert audit(store) == [(tid, "resolve", outcome, "refunded by hand", "ops@host")]
     with pytest.raises(NotFound):
-        sql_store.review_resolve(tid, outcome, "ops@host", None)
-    (refusal,) = sql_store.reserve("w3@host", [request(tid)], LONG)
+        store.review_resolve(tid, outcome, "ops@host", None)
+    (refusal,) = store.reserve("w3@host", [request(tid)], LONG)
     assert isinstance(refusal, Refusal) and refusal.reason == "terminal"
 
 
-def test_review_rejects_unknown_tasks_and_outcomes(sql_store: SqlStore) -> None:
+def test_review_rejects_unknown_tasks_and_outcomes(store: Store) -> None:
     live = new_id()
-    reserve(sql_store, live)
+    reserve(store, live)
     with pytest.raises(NotFound):
-        sql_store.review_retry(live, "review:ops", LONG, "ops@host", None)
+        store.review_retry(live, "review:ops", LONG, "ops@host", None)
     with pytest.raises(NotFound):
-        sql_store.review_resolve(live, SUCCEEDED, "ops@host", None)
+        store.review_resolve(live, SUCCEEDED, "ops@host", None)
     with pytest.raises(NotFound):
-        sql_store.review_resolve(new_id(), FAILED, "ops@host", None)
-    tid = needs_review(sql_store)
+        store.review_resolve(new_id(), FAILED, "ops@host", None)
+    tid = needs_review(store)
     with pytest.raises(InvalidConfig):
-        sql_store.review_resolve(tid, "maybe", "ops@host", None)
-    assert claim(sql_store, tid).state == NEEDS_REVIEW
-    assert claim(sql_store, live).state == RESERVED
-    assert audit(sql_store) == []
+        store.review_resolve(tid, "maybe", "ops@host", None)
+    assert claim(store, tid).state == NEEDS_REVIEW
+    assert claim(store, live).state == RESERVED
+    assert audit(store) == []

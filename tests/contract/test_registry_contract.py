@@ -1,15 +1,14 @@
 """The worker-registry contract (see ``celery_pulse.store.base``), on every store.
 
 Each test runs once per store; the store is visible in the test id
-(``[memory]``, ``[sqlite]``, ``[postgres]``).
+(``[memory]``, ``[sqlite]``, ``[postgres]``, ``[mariadb]``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -17,26 +16,18 @@ import pytest
 from celery_pulse.errors import NotRegistered
 from celery_pulse.store.base import RegistryStore as Store
 from celery_pulse.store.base import WorkerInfo
-from celery_pulse.store.memory import MemoryStore
-from celery_pulse.store.sql import SqlStore, open_store
+from celery_pulse.testing import wait_for
+from tests.helpers.stores import other_handle
 
 WID = "worker-1@host"
 LABELS = {"queues": ["celery", "high"], "pid": 1234, "host": "host"}
 #: Allowed difference between two readings of the store clock in one test step.
 SLACK = 5.0
+#: How long a test waits for something the store clock decides.
+WAIT = 15.0
 
 
 # -- helpers ---------------------------------------------------------------------------
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0,
-               what: str = "condition") -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def info(store: Store, worker_id: str = WID) -> WorkerInfo:
     found = [w for w in store.list_workers() if w.worker_id == worker_id]
     assert len(found) == 1, f"{worker_id} not listed exactly once: {found}"
@@ -50,20 +41,6 @@ def expired(store: Store, worker_id: str = WID) -> bool:
 def set_draining(store: Store, worker_id: str) -> None:
     """Set the drain flag as an operator would (`celery pulse drain`)."""
     store.set_drain(worker_id, True, "test")
-
-
-@contextlib.contextmanager
-def second_handle(store: Store) -> Iterator[Store]:
-    """Another handle on the same data, with its own connections (like another process)."""
-    if isinstance(store, MemoryStore):
-        yield store
-        return
-    assert isinstance(store, SqlStore)
-    other = open_store(store.engine.url.render_as_string(hide_password=False))
-    try:
-        yield other
-    finally:
-        other.close()
 
 
 def reason_of(call: Callable[[], object]) -> str:
@@ -165,7 +142,7 @@ def test_list_workers_alive_and_expires_in(store: Store) -> None:
     store.register("b-long", {"n": 2}, 600.0)
     store.register("a-short", {"n": 1}, 0.3)
     store.register("c-mid", {"n": 3}, 60.0)
-    wait_until(lambda: expired(store, "a-short"), what="a-short to expire")
+    wait_for(lambda: expired(store, "a-short"), timeout=WAIT, what="a-short to expire")
     listed = store.list_workers()
     assert [w.worker_id for w in listed] == ["a-short", "b-long", "c-mid"]
     short, long_, mid = listed
@@ -179,7 +156,7 @@ def test_list_workers_alive_and_expires_in(store: Store) -> None:
 
 def test_expiry_by_store_clock(store: Store) -> None:
     reg = store.register(WID, LABELS, 0.3)
-    wait_until(lambda: expired(store), what="the registration to expire")
+    wait_for(lambda: expired(store), timeout=WAIT, what="the registration to expire")
     w = info(store)
     assert w.expires_in <= 0
     assert store.now() >= reg.expires_at
@@ -205,7 +182,7 @@ def test_register_without_replacing_takes_expired_or_free_name(store: Store) -> 
     store.heartbeat("fresh", free.token, 30.0)
 
     dead = store.register(WID, {"gen": 1}, 0.3)
-    wait_until(lambda: expired(store), what="the registration to expire")
+    wait_for(lambda: expired(store), timeout=WAIT, what="the registration to expire")
     new = store.register(WID, {"gen": 2}, 30.0, replace_live=False)
     assert new.token != dead.token
     store.heartbeat(WID, new.token, 30.0)
@@ -231,7 +208,7 @@ def test_drain_flag_reported_and_survives_reregister(store: Store) -> None:
 def test_drain_flag_survives_taking_back_an_expired_name(store: Store) -> None:
     store.register(WID, LABELS, 0.3)
     set_draining(store, WID)
-    wait_until(lambda: expired(store), what="the registration to expire")
+    wait_for(lambda: expired(store), timeout=WAIT, what="the registration to expire")
     back = store.register(WID, LABELS, 30.0, replace_live=False)
     assert store.heartbeat(WID, back.token, 30.0).draining is True
 
@@ -314,7 +291,7 @@ def test_replaced_token_never_wins_after_replacement(store: Store) -> None:
     #: token -> (register(successor) started, register(successor) returned)
     replaced: dict[str, tuple[float, float]] = {}
     overlaps = 0
-    with second_handle(store) as handle:
+    with other_handle(store) as handle:
         hb = Heartbeater(handle)
         hb.token = token
         hb.start()
@@ -323,15 +300,15 @@ def test_replaced_token_never_wins_after_replacement(store: Store) -> None:
             while rounds < min_rounds or (overlaps == 0 and rounds < max_rounds):
                 rounds += 1
                 old = token
-                wait_until(lambda old=old: hb.count(lambda b: b.token == old and b.ok) >= 2
-                           or bool(hb.errors), what="heartbeats with the current token")
+                wait_for(lambda old=old: hb.count(lambda b: b.token == old and b.ok) >= 2
+                           or bool(hb.errors), timeout=WAIT, what="heartbeats with the current token")
                 started = time.monotonic()
                 token = store.register(WID, LABELS, 30.0).token
                 returned = time.monotonic()
                 replaced[old] = (started, returned)
-                wait_until(lambda old=old, returned=returned: hb.count(
+                wait_for(lambda old=old, returned=returned: hb.count(
                     lambda b: b.token == old and b.started > returned) >= 2 or bool(hb.errors),
-                    what="heartbeats with the replaced token")
+                    timeout=WAIT, what="heartbeats with the replaced token")
                 overlaps += hb.count(lambda b, s=started, r=returned: b.started < r
                                      and b.ended > s)
                 hb.token = token

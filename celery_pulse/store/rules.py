@@ -1,0 +1,104 @@
+"""Rules of the claim contract written once as plain functions, for stores that decide
+them in Python (the memory store; a SQL store where a statement cannot say them).
+
+Each mirrors a sentence of :mod:`celery_pulse.store.contracts`; none touches storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+from celery_pulse.store.records import (
+    FAILED,
+    NEEDS_REVIEW,
+    OPEN,
+    RESERVED,
+    RESTARTABLE_STATES,
+    RETRY,
+    REVOKED,
+    RUNNING,
+    SUCCEEDED,
+    LeaseKey,
+    Permit,
+)
+
+T = TypeVar("T")
+K = TypeVar("K")
+
+#: The claim state each completion outcome leaves (a retry re-opens the claim).
+OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN,
+                 NEEDS_REVIEW: NEEDS_REVIEW}
+#: Which answer of a ``complete`` call wins for a task id completed twice in it.
+ANSWER_RANK = {"evidence": 0, "duplicate": 1, "applied": 2}
+
+
+def claimable(state: str, policy: str, expired: bool) -> bool:
+    """A reservation may take the claim: it is ``open``, an expired reservation, or an
+    expired run whose policy is ``redispatch`` (a live lease is never granted again)."""
+    return state == OPEN or (state == RESERVED and expired) or (
+        state == RUNNING and policy == "redispatch" and expired)
+
+
+def new_publication(requested: str | None, current: str | None) -> bool:
+    """A request of another publication than the claim's (not a redelivery of it)."""
+    return requested is not None and requested != current
+
+
+def grantable(state: str, policy: str, expired: bool, attempts: int, max_attempts: int,
+              new_pub: bool) -> bool:
+    """Whether a reservation is granted over an existing claim (see ``ClaimStore.reserve``)."""
+    return ((new_pub or attempts < max_attempts) and claimable(state, policy, expired)) or (
+        new_pub and state in RESTARTABLE_STATES)
+
+
+def rounds(items: Iterable[T], key: Callable[[T], K]) -> list[list[T]]:
+    """``items`` in rounds of distinct keys, in order: the n-th copy of a key goes in round
+    n (a task id twice in one call is decided against the claim as the first left it)."""
+    out: list[list[T]] = []
+    seen: dict[K, int] = {}
+    for item in items:
+        k = key(item)
+        n = seen.get(k, 0)
+        seen[k] = n + 1
+        if n == len(out):
+            out.append([])
+        out[n].append(item)
+    return out
+
+
+def decide_permits(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
+                   used: dict[str, int], live: set[tuple[str, int]]
+                   ) -> tuple[list[LeaseKey], list[LeaseKey], list[tuple[str, str, int, bool]]]:
+    """In order: each live lease starts if every key it needs has room, else waits.
+
+    ``used`` (holders per key) is counted up as leases are granted. Returns ``(granted,
+    waiting, holds)``, holds as ``(key, task_id, epoch, held)``: held for the granted on
+    every key, not held for a waiter only on the keys it found full (it is not counted
+    on the others).
+    """
+    granted: list[LeaseKey] = []
+    waiting: list[LeaseKey] = []
+    holds: list[tuple[str, str, int, bool]] = []
+    for lease in leases:
+        if (lease[0], lease[1]) not in live:
+            continue
+        keyed = wanted[lease[0]]
+        full = [k for k, p in keyed.items() if used.get(k, 0) >= p.limit]
+        if not full:
+            for k in keyed:
+                used[k] = used.get(k, 0) + 1
+            granted.append(lease)
+        else:
+            waiting.append(lease)
+        holds += [(k, lease[0], lease[1], not full) for k in (full or keyed)]
+    return granted, waiting, holds
+
+
+def split_by_permits(permits: Mapping[str, Sequence[Permit]] | None,
+                     leases: Sequence[LeaseKey]) -> tuple[list[LeaseKey], list[LeaseKey]]:
+    """``(leases that need permits, the others)``."""
+    if not permits:
+        return [], list(leases)
+    return ([lease for lease in leases if permits.get(lease[0])],
+            [lease for lease in leases if not permits.get(lease[0])])
