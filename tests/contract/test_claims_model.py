@@ -1,12 +1,12 @@
-"""A stateful model of the claim lifecycle over the real SQL store (SQLite and PostgreSQL).
+"""A stateful model of the claim lifecycle over every store (memory and each SQL store).
 
 Hypothesis interleaves reserve (duplicate deliveries, the same id twice in a batch,
 several publications of one task id), start, renew, complete, release, requeue, expiry,
 recover, mark_published, retention and stale credentials. After every step it reads
-``pulse_claims`` directly and checks six invariants (the ``check_*`` functions below, each
-shown to catch a corrupted row by ``test_checkers_catch_corrupted_rows``); then it compares
-every row and every answer with :class:`Model`, a reference of the contract in
-``celery_pulse.store.base``.
+the claims' rows directly (``pulse_claims``, or the memory store's table) and checks six
+invariants (the ``check_*`` functions below, each shown to catch a corrupted row by
+``test_checkers_catch_corrupted_rows``); then it compares every row and every answer with
+:class:`Model`, a reference of the contract in ``celery_pulse.store.contracts``.
 
 Time: the store judges expiry by its own clock, which a test cannot move. Every lease is
 granted for ``TTL`` (far longer than a run), and ``expire`` sets one claim's
@@ -61,10 +61,19 @@ from celery_pulse.store.base import (
     Message,
     Refusal,
     ReserveRequest,
+    Store,
     mask_token,
 )
-from celery_pulse.store.sql import SqlStore, open_store
-from celery_pulse.store.sql.tables import claims, evidence
+from celery_pulse.store.memory import MemoryStore
+from celery_pulse.store.sql import SqlStore
+from celery_pulse.store.sql.tables import claims
+from tests.helpers.stores import (
+    all_claim_rows,
+    change_claim,
+    claim_row,
+    evidence_count,
+    forget_claims,
+)
 
 TTL = 600.0
 TASKS = ("t1", "t2", "t3")
@@ -78,12 +87,6 @@ OUTCOMES = (SUCCEEDED, FAILED, REVOKED, RETRY)
 OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN}
 #: What the snapshot says about ``lease_until`` by the store clock (None: NULL).
 LIVE, EXPIRED = "live", "expired"
-
-STORE_KINDS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-    pytest.param("mariadb", id="mariadb", marks=pytest.mark.mariadb),
-]
 
 #: The stores together stay well under a minute on a shared 2-core machine.
 MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
@@ -146,8 +149,15 @@ class Granted:
     attempts: int
 
 
-def snapshot(store: SqlStore) -> list[Claim]:
+def snapshot(store: Store) -> list[Claim]:
     """Every claim row, read directly, with the lease judged by the store clock."""
+    if isinstance(store, MemoryStore):
+        clock = store.now()
+        return [Claim(r.task_id, r.state, r.epoch, r.holder, r.token,
+                      None if r.lease_until is None else LIVE if r.lease_until > clock
+                      else EXPIRED, r.attempts, r.max_attempts, r.policy, r.publication,
+                      r.outcome, r.finished_at is not None) for r in all_claim_rows(store)]
+    assert isinstance(store, SqlStore)
     now = store.dialect.now()
     lease = sa.case((claims.c.lease_until.is_(None), sa.null()),
                     (claims.c.lease_until > now, LIVE), else_=EXPIRED)
@@ -170,8 +180,14 @@ def make_request(task_id: str, publication: str | None, policy: str = "redispatc
     return ReserveRequest(task_id, "proj.add", message, policy, max_attempts, 0, publication)
 
 
-def expire(store: SqlStore, task_id: str) -> int:
+def expire(store: Store, task_id: str) -> int:
     """The store clock moved past this claim's live lease (see the module docstring)."""
+    if isinstance(store, MemoryStore):
+        row, clock = claim_row(store, task_id), store.now()
+        if row.lease_until is None or row.lease_until <= clock:
+            return 0
+        return change_claim(store, task_id, lease_until=clock - 1.0)
+    assert isinstance(store, SqlStore)
     stmt = (sa.update(claims)
             .where(claims.c.task_id == task_id, claims.c.lease_until > store.dialect.now())
             .values(lease_until=store.dialect.now() - 1.0))
@@ -517,12 +533,10 @@ class ClaimsMachine(RuleBasedStateMachine):
     grants = Bundle("grants")
     published = Bundle("published")
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: Store) -> None:
         super().__init__()
         self.store = store
-        with store.engine.begin() as conn:
-            conn.execute(sa.delete(claims))
-            conn.execute(sa.delete(evidence))
+        forget_claims(store)
         self.model = Model()
         #: The last snapshot: what every check of a step's answers compares with.
         self.seen: dict[str, Claim] = {}
@@ -766,8 +780,7 @@ class ClaimsMachine(RuleBasedStateMachine):
         problems = [*check_one_live_grant(rows, self.issued), *check_epochs(self.seen, after),
                     *check_terminal(self.seen, after), *check_row_shape(rows),
                     *check_model(self.model.rows, after)]
-        with self.store.engine.connect() as conn:
-            kept = conn.execute(sa.select(sa.func.count()).select_from(evidence)).scalar_one()
+        kept = evidence_count(self.store)
         if kept != self.model.evidence:
             problems.append(f"model: {kept} evidence rows, expected {self.model.evidence}")
         for task_id in self.seen.keys() - after.keys():
@@ -778,17 +791,10 @@ class ClaimsMachine(RuleBasedStateMachine):
 
 
 # -- tests ---------------------------------------------------------------------------------
-@pytest.fixture(params=STORE_KINDS)
-def model_store(request: pytest.FixtureRequest) -> Iterator[SqlStore]:
-    """A migrated store, once per SQL store (``pg_url`` applies the service rules)."""
-    url: str = request.getfixturevalue(f"{request.param}_url" if request.param != "postgres"
-                                       else "pg_url")
-    store = open_store(url, check_schema=False)
-    store.migrate()
-    try:
-        yield store
-    finally:
-        store.close()
+@pytest.fixture
+def model_store(store: Store) -> Store:
+    """The contract fixture's store (memory and every SQL store)."""
+    return store
 
 
 @pytest.fixture
@@ -803,21 +809,20 @@ def hypothesis_home(tmp_path: Path) -> Iterator[None]:
 
 
 class TestClaimsModel:
-    """The machine on each SQL store; a failure prints the steps and a ``@reproduce_failure``
+    """The machine on each store; a failure prints the steps and a ``@reproduce_failure``
     blob (``print_blob``)."""
 
-    def test_interleavings_keep_the_invariants(self, model_store: SqlStore, hypothesis_home: None
+    def test_interleavings_keep_the_invariants(self, model_store: Store, hypothesis_home: None
                                                ) -> None:
         run_state_machine_as_test(lambda: ClaimsMachine(model_store), settings=MACHINE_SETTINGS)
 
 
-def test_checkers_catch_corrupted_rows(model_store: SqlStore) -> None:
+def test_checkers_catch_corrupted_rows(model_store: Store) -> None:
     """Each invariant is not vacuous: a row corrupted behind the store's back is reported."""
     store = model_store
 
     def corrupt(task_id: str, **values: Any) -> None:
-        with store.engine.begin() as conn:
-            conn.execute(sa.update(claims).where(claims.c.task_id == task_id).values(**values))
+        change_claim(store, task_id, **values)
 
     def rows() -> dict[str, Claim]:
         return {r.task_id: r for r in snapshot(store)}
@@ -879,7 +884,7 @@ def test_checkers_catch_corrupted_rows(model_store: SqlStore) -> None:
 
 
 # -- the bugs the machine found: minimal regressions -------------------------------------
-def test_a_later_copy_in_a_reserve_batch_sees_what_the_earlier_left(model_store: SqlStore) -> None:
+def test_a_later_copy_in_a_reserve_batch_sees_what_the_earlier_left(model_store: Store) -> None:
     """Each request is decided against the claim as the earlier ones left it.
 
     Found by the machine: the store decided every copy of a task id in one batch by the
@@ -899,7 +904,7 @@ def test_a_later_copy_in_a_reserve_batch_sees_what_the_earlier_left(model_store:
     assert isinstance(second, Refusal) and (second.reason, second.publication) == ("taken", "p2")
 
 
-def test_a_stale_completion_does_not_drop_the_current_one(model_store: SqlStore) -> None:
+def test_a_stale_completion_does_not_drop_the_current_one(model_store: Store) -> None:
     """Two attempts of one task completed in one call (one group commit): the current applies.
 
     Found by the machine: the store kept only the last completion per task id, so the

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,16 +27,16 @@ from celery_pulse.gateway.credentials import (
     Credential,
     CredentialStore,
     Forbidden,
-    MemoryCredentials,
     Unauthenticated,
     digest,
     mint,
     parse_token,
 )
-from celery_pulse.store.sql import open_store
+from celery_pulse.store.base import Store
+from celery_pulse.store.memory import MemoryStore
+from celery_pulse.store.sql import SqlStore
 from celery_pulse.store.sql.credentials import SqlCredentials
 from celery_pulse.store.sql.tables import credentials as credentials_table
-from tests.contract.conftest import STORE_KINDS, URL_FIXTURES
 
 BOTH = (CONNECT, CONSUME)
 
@@ -50,27 +50,20 @@ class Subject:
     dump: Callable[[], str]
 
 
-@pytest.fixture(params=STORE_KINDS)
-def subject(request: pytest.FixtureRequest) -> Iterator[Subject]:
-    if request.param == "memory":
-        clock = [1_000.0]
-        memory = MemoryCredentials(clock=lambda: clock[0])
-        yield Subject(memory, lambda: clock[0], lambda: repr(memory._rows))
-        return
-    url: str = request.getfixturevalue(URL_FIXTURES[request.param])
-    sql = open_store(url, check_schema=False)
-    sql.migrate()
+@pytest.fixture
+def subject(store: Store) -> Subject:
+    """The credentials of the contract fixture's store (memory or SQL), on its clock."""
+    if isinstance(store, MemoryStore):
+        memory = store.credentials
+        return Subject(memory, store.now, lambda: repr(memory._rows))
+    assert isinstance(store, SqlStore) and isinstance(store.credentials, SqlCredentials)
 
     def dump() -> str:
-        with sql.engine.connect() as conn:
+        with store.engine.connect() as conn:
             return json.dumps([list(map(str, row)) for row in conn.execute(
                 sa.select(credentials_table))])
 
-    try:
-        assert isinstance(sql.credentials, SqlCredentials)
-        yield Subject(sql.credentials, sql.now, dump)
-    finally:
-        sql.close()
+    return Subject(store.credentials, store.now, dump)
 
 
 def _unauthenticated(store: CredentialStore, token: Any) -> str:

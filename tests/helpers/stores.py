@@ -90,3 +90,49 @@ def slot_rows(store: Store) -> list[Any]:
     with store.engine.connect() as conn:
         return list(conn.execute(sa.select(beat_slots).order_by(beat_slots.c.entry,
                                                                 beat_slots.c.due_at)))
+
+
+def change_claim(store: Store, task_id: str, **values: Any) -> int:
+    """Change a claim's row behind the store's back (a test staging what no contract
+    call can: a corrupted row, a clock that moved past a lease); rows changed."""
+    if isinstance(store, MemoryStore):
+        row = store.tables.claims.get(task_id)
+        if row is None:
+            return 0
+        for name, value in values.items():
+            setattr(row, name, value)
+        return 1
+    assert isinstance(store, SqlStore)
+    with store.engine.begin() as conn:
+        return int(conn.execute(sa.update(claims).where(claims.c.task_id == task_id)
+                                .values(**values)).rowcount)
+
+
+def forget_claims(store: Store) -> None:
+    """Delete every claim and every piece of evidence (a fresh start on the same store)."""
+    if isinstance(store, MemoryStore):
+        store.tables.claims.clear()
+        store.tables.evidence.clear()
+        return
+    assert isinstance(store, SqlStore)
+    with store.engine.begin() as conn:
+        conn.execute(sa.delete(claims))
+        conn.execute(sa.delete(evidence))
+
+
+def evidence_count(store: Store) -> int:
+    """How many stale completions the store keeps, of every task."""
+    if isinstance(store, MemoryStore):
+        return len(store.tables.evidence)
+    assert isinstance(store, SqlStore)
+    with store.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(evidence)).scalar_one())
+
+
+def all_claim_rows(store: Store) -> list[Any]:
+    """Every claim row as the store keeps it, by task id."""
+    if isinstance(store, MemoryStore):
+        return [dataclasses.replace(store.tables.claims[t]) for t in sorted(store.tables.claims)]
+    assert isinstance(store, SqlStore)
+    with store.engine.connect() as conn:
+        return list(conn.execute(sa.select(claims).order_by(claims.c.task_id)))
