@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from celery_pulse.errors import PulseError
 from celery_pulse.leader import LeaderElector
+from celery_pulse.service import Service
 from celery_pulse.store.base import BeatStore, LeaderGrant, Slot
 from celery_pulse.timefmt import iso
 
@@ -58,8 +59,8 @@ class Entry:
     next_due: Callable[[float], float]
 
 
-class Beat:
-    """Ticks the schedule while ``elector`` says we lead."""
+class Beat(Service):
+    """Ticks the schedule while ``elector`` says we lead (thread ``pulse-beat``)."""
 
     def __init__(self, store: BeatStore, elector: LeaderElector, *,
                  entries: Callable[[], list[Entry]], publish: Callable[[Slot], None],
@@ -67,6 +68,7 @@ class Beat:
                  max_sleep: float = 1.0) -> None:
         if catchup not in CATCHUP_MODES:
             raise ValueError(f"catchup must be one of {CATCHUP_MODES}")
+        super().__init__("pulse-beat", join_timeout=10)
         self.store = store
         self.elector = elector
         self.entries = entries
@@ -76,27 +78,13 @@ class Beat:
         self.max_sleep = max_sleep
         self.fired = 0
         self._sweep = threading.Event()
-        self._stop = threading.Event()
-        #: Cuts the thread's sleep short: set on gaining leadership and on stop.
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def on_gained(self, grant: LeaderGrant) -> None:
         self._sweep.set()
-        self._wake.set()  # tick now, not after up to max_sleep (handover <= one interval)
+        self.wake()  # tick now, not after up to max_sleep (handover <= one interval)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="pulse-beat", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def run(self) -> None:
+        while not self.stopping:
             delay = self.max_sleep
             try:
                 delay = self.tick()
@@ -104,8 +92,7 @@ class Beat:
                 logger.warning("pulse: beat tick failed: %s", exc)
             except Exception:
                 logger.exception("pulse: beat tick failed unexpectedly")
-            self._wake.wait(max(0.01, min(delay, self.max_sleep)))
-            self._wake.clear()
+            self.sleep(max(0.01, min(delay, self.max_sleep)))
 
     def tick(self) -> float:
         """Fire what is due; returns seconds until the next due slot (capped)."""

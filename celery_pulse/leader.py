@@ -20,13 +20,15 @@ import time
 from collections.abc import Callable
 
 from celery_pulse.errors import PulseError
+from celery_pulse.service import Service
 from celery_pulse.store.base import LeaderGrant, LeaderStore
 
 logger = logging.getLogger(__name__)
 
 
-class LeaderElector:
-    """Campaigns for ``key`` every ``interval``; holds it for ``ttl``."""
+class LeaderElector(Service):
+    """Campaigns for ``key`` every ``interval``; holds it for ``ttl`` (thread
+    ``pulse-leader-<key>``)."""
 
     def __init__(self, store: LeaderStore, key: str, holder: str, *, ttl: float,
                  interval: float, margin: float,
@@ -35,6 +37,7 @@ class LeaderElector:
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         if interval >= ttl:
             raise ValueError("leader interval must be shorter than its ttl")
+        super().__init__(f"pulse-leader-{key}", join_timeout=interval + 10)
         self.store = store
         self.key = key
         self.holder = holder
@@ -47,8 +50,6 @@ class LeaderElector:
         self.grant: LeaderGrant | None = None
         self.deadline = 0.0
         self.since: float | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @property
@@ -60,16 +61,9 @@ class LeaderElector:
         grant = self.grant
         return grant.epoch if grant is not None and self.is_leader else None
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"pulse-leader-{self.key}",
-                                        daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
         """Planned stop: release the lease (the next leader starts within one interval)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.interval + 10)
+        super().stop()
         with self._lock:
             grant, self.grant = self.grant, None
         if grant is not None:
@@ -79,8 +73,8 @@ class LeaderElector:
             except PulseError as exc:
                 logger.warning("pulse: could not release leadership of %s: %s", self.key, exc)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def run(self) -> None:
+        while not self.stopping:
             try:
                 self.tick()
             except Exception:
@@ -88,11 +82,11 @@ class LeaderElector:
             delay = self.interval
             if self.grant is not None:  # wake in time to notice our own deadline
                 delay = max(0.01, min(delay, self.deadline - self.monotonic()))
-            self._stop.wait(delay)
+            self.sleep(delay)
 
     def tick(self) -> None:
         with self._lock:
-            if self._stop.is_set():
+            if self.stopping:
                 return
             current = self.grant
             sent = self.monotonic()

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from celery_pulse.errors import PulseError
-from celery_pulse.store.base import OPEN, Recovered, RecoverStore
+from celery_pulse.service import Service
+from celery_pulse.store.base import OPEN, LeaseKey, Recovered, RecoverStore
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,15 @@ class RecoverListener(Protocol):
     def on_recovered(self, item: Recovered) -> None: ...
 
 
-class Recoverer:
-    """Periodic scanner for expired claims."""
+class Recoverer(Service):
+    """Periodic scanner for expired claims (thread ``pulse-recover``)."""
 
     def __init__(self, store: RecoverStore, scanner: str, *, interval: float, batch: int,
                  publish_ttl: float, retention: float, purge_every: float = 60.0,
                  publish: Callable[[Recovered], None], listener: RecoverListener,
                  purge: Callable[[float], int] | None = None,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("pulse-recover", join_timeout=10)
         self.store = store
         self.scanner = scanner
         self.interval = interval
@@ -57,21 +59,11 @@ class Recoverer:
         self.counts = {"recovered": 0, "redispatched": 0, "needs_review": 0, "failed": 0,
                        "purged": 0, "requeued": 0}
         self._next_purge = 0.0
-        self._requeues: list[tuple[str, int, str]] = []
+        self._requeues: list[LeaseKey] = []
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="pulse-recover", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        super().stop()
         if self._requeues:  # still held by this worker: publish them before it goes
             try:
                 self.requeue_pending()
@@ -80,11 +72,11 @@ class Recoverer:
                                "leases expire and Recover takes them): %s",
                                len(self._requeues), exc)
 
-    def requeue(self, lease: tuple[str, int, str]) -> None:
+    def requeue(self, lease: LeaseKey) -> None:
         """Queue ``lease`` (held by this worker) to go back to the broker, soon."""
         with self._lock:
             self._requeues.append(lease)
-        self._wake.set()
+        self.wake()
 
     def requeue_pending(self) -> list[Recovered]:
         with self._lock:
@@ -100,11 +92,11 @@ class Recoverer:
         self._publish_all(items, requeued=True)
         return items
 
-    def _run(self) -> None:
+    def run(self) -> None:
         next_scan = 0.0
-        while not self._stop.is_set():
+        while not self.stopping:
             delay = self.interval
-            self._wake.clear()  # before the work: a requeue asked meanwhile wakes the next wait
+            self.rearm()  # before the work: a requeue asked meanwhile wakes the next wait
             try:
                 self.requeue_pending()
                 if self.monotonic() >= next_scan:
@@ -118,7 +110,7 @@ class Recoverer:
                 logger.warning("pulse: recover scan failed: %s", exc)
             except Exception:
                 logger.exception("pulse: recover scan failed unexpectedly")
-            self._wake.wait(delay)
+            self.sleep(delay)
 
     def scan_once(self) -> list[Recovered]:
         taken = self.store.recover(self.scanner, self.batch, self.publish_ttl)
@@ -131,7 +123,7 @@ class Recoverer:
         One not marked published keeps its publish lease: once that expires, a later
         scan (ours or another worker's) tries again.
         """
-        published: list[tuple[str, int, str]] = []
+        published: list[LeaseKey] = []
         for item in taken:
             if item.state == OPEN and item.token is not None:
                 try:

@@ -18,12 +18,12 @@ Rules:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from celery_pulse.errors import NotRegistered, PulseError, StoreUnavailable
+from celery_pulse.service import Service
 from celery_pulse.store.base import Registration, RegistryStore, mask_token
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class MembershipListener(Protocol):
 
 
 class Membership:
-    """Keeps one worker registered in the store."""
+    """Keeps one worker registered in the store (heartbeat thread ``pulse-registry``)."""
 
     ACTIVE, FENCED, LOST, STOPPED = "active", "fenced", "lost", "stopped"
 
@@ -60,8 +60,8 @@ class Membership:
         self.deadline = 0.0
         self.failures = 0
         self.draining = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heartbeat = Service("pulse-registry", join_timeout=interval + 5,
+                                  target=self._run)
 
     # -- lifecycle ----------------------------------------------------------
     def start(self, *, thread: bool = True) -> Registration:
@@ -76,16 +76,12 @@ class Membership:
             self.draining = True
             self.listener.on_drain()
         if thread:
-            self._thread = threading.Thread(target=self._run, name="pulse-registry",
-                                            daemon=True)
-            self._thread.start()
+            self._heartbeat.start()
         return self.registration
 
     def stop(self, *, deregister: bool = True) -> None:
         """Stop heartbeating and, on a clean exit, remove our registration."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval + 5)
+        self._heartbeat.stop()
         if deregister and self.registration is not None and self.state != self.LOST:
             try:
                 self.store.deregister(self.worker_id, self.registration.token)
@@ -108,7 +104,7 @@ class Membership:
     # -- the loop -----------------------------------------------------------
     def _run(self) -> None:
         delay = self.interval
-        while not self._stop.wait(delay):
+        while not self._heartbeat.sleep(delay):
             try:
                 next_delay = self.tick()
             except Exception:  # never let the heartbeat thread die silently
