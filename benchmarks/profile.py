@@ -74,7 +74,7 @@ def categorise(raw: Path) -> dict[str, Any]:
                     break
             else:
                 loop["other"] += n
-        elif any("_commit_loop" in f for f in frames):
+        elif any("CommitThread.run" in f or "_commit_loop" in f for f in frames):
             if any("Pipeline.run" in f for f in frames):
                 commit["exchange: pipelined round trip (psycopg)"] += n
             elif any("exchange" in f for f in frames):

@@ -74,7 +74,8 @@ def _simulate(url: str, holders: list[str], offsets: list[float], start_at: floa
     latencies: list[float] = []
     renewals = failures = 0
     for keeper in keepers:
-        keeper._stop.set()  # stop renewing (no release at the end: not part of the test)
+        keeper.renewer.signal_stop()  # stop renewing (no release at the end: not part of the test)
+        keeper.watchdog.signal_stop()
     for keeper in keepers:
         keeper.stop(release=False)
         latencies += keeper.counters.renew_latency

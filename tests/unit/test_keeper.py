@@ -72,7 +72,7 @@ def test_a_newer_grant_of_the_task_still_hard_stops_the_lost_attempt(store: SqlS
                          listener=listener, monotonic=clock)
     old = keeper.add(reserve(store, "t1", "p1"), clock(), 0, False)
     old.pid = 4242  # running in a pool process
-    keeper._lose(old, "taken over")
+    keeper.lose(old, "taken over")
     store.release("w1", [old.key], never_ran=True)
     new = keeper.add(reserve(store, "t1", "p1"), clock(), 0, False)
     assert keeper.get("t1") is new
