@@ -1,9 +1,10 @@
 """What the ``celery pulse`` commands print for people: tables, hints, states.
 
-Kept apart from :mod:`celery_pulse.cli` (which talks to the store) so the commands
-stay short. Tables size every column from the data (styled cells measured without
-their colour codes, which a pipe strips), times are ISO 8601, and every hint is a
-command that can be pasted as is: it names the app the way the user gave it (``-A``).
+Kept apart from the command modules of :mod:`celery_pulse.cli` (which talk to the
+store) so the commands stay short. Tables size every column from the data (styled cells
+measured without their colour codes, which a pipe strips), times are ISO 8601, and every
+hint is a command that can be pasted as is: it names the app the way the user gave it
+(``-A``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import click
 
-from celery_pulse.store.base import (
+from celery_pulse.store.records import (
     FAILED,
     NEEDS_REVIEW,
     OPEN,
@@ -52,6 +53,7 @@ def parse_states(_ctx: click.Context | None, _param: Any, values: Sequence[str])
 
 
 def seconds(value: float) -> str:
+    """A signed duration as the tables show it (a lease past its end is negative)."""
     return f"{value:+.1f}s"
 
 
@@ -78,6 +80,7 @@ SHOWN_LABELS = ("pool", "concurrency", "pid", "queues", "gateway", "credential",
 
 
 def workers_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The workers table (``pulse workers``, and the body of ``pulse status``)."""
     if not rows:
         return ["no workers registered"]
     cells = []
@@ -91,6 +94,7 @@ def workers_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def claims_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The claims table (``pulse claims``)."""
     if not rows:
         return ["no claims"]
     cells = [[r["task_id"], r["state"], r["holder"] or "-", str(r["epoch"]),
@@ -108,6 +112,7 @@ def entered_review(item: dict[str, Any]) -> str:
 
 
 def review_lines(items: list[dict[str, Any]], app: str) -> list[str]:
+    """The review table, then the two commands that close an item (``pulse review``)."""
     if not items:
         return ["nothing needs review"]
     cells = [[i["task_id"], i["task_name"], i["last_holder"] or "-", str(i["epoch"]),
@@ -125,6 +130,7 @@ def review_lines(items: list[dict[str, Any]], app: str) -> list[str]:
 
 
 def status_lines(payload: dict[str, Any]) -> list[str]:
+    """The cluster at a glance (``pulse status``)."""
     c = payload["claims"]
     lines = [click.style("celery-pulse", bold=True) + f"  store {payload['store']}",
              f"workers: {payload['workers_alive']} alive, {payload['workers_dead']} dead"]

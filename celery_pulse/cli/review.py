@@ -1,0 +1,82 @@
+"""``celery pulse review [retry|resolve]``: the tasks whose outcome nobody knows.
+
+A task lands here when it started and nobody can say how it ended (policy ``review``):
+only a human can tell whether it ran, so the commands list it, run it once more, or
+close it. Each action records who took it (``user@host``) and the note given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import click
+
+from celery_pulse.cli import format as fmt
+from celery_pulse.cli.context import echo_json, echo_lines, opened_store, who
+from celery_pulse.store.records import NEEDS_REVIEW
+from celery_pulse.store.sql import SqlStore
+from celery_pulse.timefmt import iso
+
+
+def review_payload(store: SqlStore) -> list[dict[str, Any]]:
+    """Needs-review items, with when each entered review where the store recorded it.
+
+    ``since`` (kept for scripts) is when the task was reserved. A completion that ends in
+    review sets the claim's ``finished_at``: that is ``entered_review_at``. Recover's
+    move to review records no time (None): ``started_at`` of the lost attempt bounds it.
+    """
+    claims = {c.task_id: c for c in store.list_claims([NEEDS_REVIEW], limit=10_000)}
+    items = []
+    for item in store.list_review():
+        row = dataclasses.asdict(item)
+        c = claims.get(item.task_id)
+        row["started_at"] = None if c is None else c.started_at
+        row["entered_review_at"] = None if c is None else c.finished_at
+        row["entered_review"] = (None if row["entered_review_at"] is None
+                                 else iso(row["entered_review_at"]))
+        items.append(row)
+    return items
+
+
+@click.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def review(ctx: click.Context, as_json: bool) -> None:
+    """Tasks whose outcome is unknown (started, then lost): list, retry or resolve."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with opened_store(ctx) as store:
+        items = review_payload(store)
+    if as_json:
+        echo_json(items)
+    else:
+        echo_lines(fmt.review_lines(items, fmt.app_argument(ctx)))
+
+
+@review.command("retry")
+@click.argument("task_id")
+@click.option("--note", default=None, help="Why (kept for audit).")
+@click.pass_context
+def review_retry(ctx: click.Context, task_id: str, note: str | None) -> None:
+    """Re-publish a needs-review (or failed) task for one more attempt."""
+    from celery_pulse.bootsteps.publish import republish
+
+    app = ctx.obj.app
+    with opened_store(ctx) as store:
+        item = store.review_retry(task_id, f"review:{who()}", 60.0, who(), note)
+        republish(app, item)
+        store.mark_published([(item.task_id, item.epoch, item.token or "")])
+    click.echo(f"{task_id} re-published (epoch {item.epoch})")
+
+
+@review.command("resolve")
+@click.argument("task_id")
+@click.option("--outcome", type=click.Choice(["succeeded", "failed"]), required=True)
+@click.option("--note", default=None, help="Why (kept for audit).")
+@click.pass_context
+def review_resolve(ctx: click.Context, task_id: str, outcome: str, note: str | None) -> None:
+    """Close a needs-review task by hand."""
+    with opened_store(ctx) as store:
+        store.review_resolve(task_id, outcome, who(), note)
+    click.echo(f"{task_id} resolved as {outcome}")
