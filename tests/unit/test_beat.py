@@ -1,4 +1,4 @@
-"""Beat driven by hand: a fake clock, an in-memory store, ``tick()`` called by the test.
+"""Beat driven by hand: a fake clock, the memory store, ``tick()`` called by the test.
 
 One fake clock is the store clock, the electors' monotonic clock and beat's wall
 clock. Entries are plain :class:`Entry` objects (every ``PERIOD`` seconds); the
@@ -19,8 +19,11 @@ from celery_pulse.beat import Beat, Entry, slot_task_id
 from celery_pulse.bootsteps.schedules import next_due_function
 from celery_pulse.leader import LeaderElector
 from celery_pulse.store.base import LeaderGrant, Slot
-from tests.helpers.workers import wait_for
-from tests.unit.fakestore import FakeClock, FakeStore
+from celery_pulse.store.memory import MemoryStore
+from celery_pulse.store.memory.tables import SlotRow
+from celery_pulse.testing import wait_for
+from tests.helpers.clock import FakeClock
+from tests.helpers.recording import Recorded
 
 KEY = "beat"
 TTL = 30.0
@@ -52,7 +55,7 @@ class Publisher:
 class Node:
     """One process: an elector and its beat, sharing the store and the clock."""
 
-    def __init__(self, store: FakeStore, clock: FakeClock, holder: str, *,
+    def __init__(self, store: Recorded, clock: FakeClock, holder: str, *,
                  entries: list[Entry] | None = None, catchup: str = "latest",
                  max_sleep: float = 1.0) -> None:
         self.publisher = Publisher()
@@ -76,16 +79,22 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def store(clock: FakeClock) -> FakeStore:
-    return FakeStore(clock)
+def store(clock: FakeClock) -> Recorded:
+    """The memory store on the fake clock, its calls recorded."""
+    return Recorded(MemoryStore(clock), clock)
 
 
-def test_new_entry_first_fires_one_period_after_it_was_seen(store: FakeStore,
+def as_slot(row: SlotRow) -> Slot:
+    """The slot a recorded row holds (what a leader publishes)."""
+    return Slot(row.entry, row.due_at, row.task_id, row.task, row.payload)
+
+
+def test_new_entry_first_fires_one_period_after_it_was_seen(store: Recorded,
                                                            clock: FakeClock) -> None:
     a = Node(store, clock, "a")
     t0 = clock()
     a.step()
-    assert a.publisher.sent == [] and store.state == {"e": t0}
+    assert a.publisher.sent == [] and store.tables.beat_state == {"e": t0}
     clock.advance(PERIOD - 0.01)
     a.step()
     assert a.publisher.sent == []
@@ -94,7 +103,7 @@ def test_new_entry_first_fires_one_period_after_it_was_seen(store: FakeStore,
     assert a.publisher.due() == [t0 + PERIOD]
 
 
-def test_each_due_slot_fires_once(store: FakeStore, clock: FakeClock) -> None:
+def test_each_due_slot_fires_once(store: Recorded, clock: FakeClock) -> None:
     a = Node(store, clock, "a")
     t0 = clock()
     a.step()
@@ -104,11 +113,11 @@ def test_each_due_slot_fires_once(store: FakeStore, clock: FakeClock) -> None:
         a.beat.tick()  # an extra tick at the same instant fires nothing more
     assert a.publisher.due() == [t0 + 10, t0 + 20, t0 + 30]
     assert len({s.task_id for s in a.publisher.sent}) == 3
-    assert all(row.published for row in store.slots.values())
+    assert all(row.published_at is not None for row in store.tables.slots.values())
     assert a.beat.fired == 3
 
 
-def test_catchup_latest_fires_only_the_most_recent_missed_slot(store: FakeStore,
+def test_catchup_latest_fires_only_the_most_recent_missed_slot(store: Recorded,
                                                                clock: FakeClock) -> None:
     a = Node(store, clock, "a", catchup="latest")
     t0 = clock()
@@ -116,25 +125,25 @@ def test_catchup_latest_fires_only_the_most_recent_missed_slot(store: FakeStore,
     clock.advance(3.5 * PERIOD)
     a.step()
     assert a.publisher.due() == [t0 + 30]
-    assert store.state["e"] == t0 + 30
+    assert store.tables.beat_state["e"] == t0 + 30
     clock.advance(PERIOD)
     a.step()
     assert a.publisher.due() == [t0 + 30, t0 + 40]
 
 
-def test_catchup_all_fires_every_missed_slot_in_order(store: FakeStore, clock: FakeClock) -> None:
+def test_catchup_all_fires_every_missed_slot_in_order(store: Recorded, clock: FakeClock) -> None:
     a = Node(store, clock, "a", catchup="all")
     t0 = clock()
     a.step()
     clock.advance(3.5 * PERIOD)
     a.step()
     assert a.publisher.due() == [t0 + 10, t0 + 20, t0 + 30]
-    assert store.state["e"] == t0 + 30
+    assert store.tables.beat_state["e"] == t0 + 30
     a.step()
     assert len(a.publisher.sent) == 3
 
 
-def test_failover_continues_from_last_run_without_double_or_gap(store: FakeStore,
+def test_failover_continues_from_last_run_without_double_or_gap(store: Recorded,
                                                                 clock: FakeClock) -> None:
     a = Node(store, clock, "a", catchup="all")
     b = Node(store, clock, "b", catchup="all")
@@ -156,7 +165,7 @@ def test_failover_continues_from_last_run_without_double_or_gap(store: FakeStore
     assert len({s.task_id for s in a.publisher.sent + b.publisher.sent}) == len(due)
 
 
-def test_no_fire_when_not_leader(store: FakeStore, clock: FakeClock) -> None:
+def test_no_fire_when_not_leader(store: Recorded, clock: FakeClock) -> None:
     a = Node(store, clock, "a")
     b = Node(store, clock, "b")
     # Never campaigned: beat does not even look at the schedule.
@@ -174,7 +183,7 @@ def test_no_fire_when_not_leader(store: FakeStore, clock: FakeClock) -> None:
     assert "fire_slot" not in store.calls
 
 
-def test_no_fire_after_local_deadline_even_with_a_grant(store: FakeStore,
+def test_no_fire_after_local_deadline_even_with_a_grant(store: Recorded,
                                                         clock: FakeClock) -> None:
     a = Node(store, clock, "a")
     a.step()
@@ -187,22 +196,22 @@ def test_no_fire_after_local_deadline_even_with_a_grant(store: FakeStore,
     assert a.publisher.sent == [] and len(store.calls) == calls
 
 
-def test_store_fence_refuses_a_leader_whose_term_is_over(store: FakeStore,
+def test_store_fence_refuses_a_leader_whose_term_is_over(store: Recorded,
                                                          clock: FakeClock) -> None:
     """Beat believes it leads (before its local deadline) but the store term moved on."""
     a = Node(store, clock, "a")
     t0 = clock()
     a.step()
     clock.advance(PERIOD)
-    store.terms[KEY].token = "someone-else"  # e.g. clock trouble: the store gave it away
+    store.tables.leaders[KEY].token = "someone-else"  # e.g. clock trouble: the store gave it away
     assert a.elector.is_leader
     a.beat.tick()
-    assert a.publisher.sent == [] and store.slots == {}
-    assert store.state["e"] == t0  # last_run not advanced by a refused slot
+    assert a.publisher.sent == [] and store.tables.slots == {}
+    assert store.tables.beat_state["e"] == t0  # last_run not advanced by a refused slot
 
 
 def test_unpublished_slot_is_republished_after_gaining_with_the_same_task_id(
-        store: FakeStore, clock: FakeClock) -> None:
+        store: Recorded, clock: FakeClock) -> None:
     a = Node(store, clock, "a")
     b = Node(store, clock, "b")
     t0 = clock()
@@ -213,21 +222,21 @@ def test_unpublished_slot_is_republished_after_gaining_with_the_same_task_id(
     a.elector.tick()
     a.beat.tick()
     assert a.publisher.sent == []
-    (row,) = store.slots.values()
-    assert not row.published and row.leader_epoch == 1
+    (row,) = store.tables.slots.values()
+    assert row.published_at is None and row.leader_epoch == 1
     # b takes over after a's lease ran out, and sends the orphaned slot first.
     clock.advance(TTL)
     b.step()
     assert b.elector.is_leader and b.elector.epoch == 2
-    assert b.publisher.sent[0] == row.slot
+    assert b.publisher.sent[0] == as_slot(row)
     assert b.publisher.sent[0].task_id == slot_task_id("e", t0 + PERIOD)
-    assert row.published
+    assert row.published_at is not None
     # The slot itself is not recorded again; the next one is b's own.
     assert [s.due_at for s in b.publisher.sent] == [t0 + PERIOD, t0 + 4 * PERIOD]
-    assert store.slots[("e", t0 + 4 * PERIOD)].leader_epoch == 2
+    assert store.tables.slots[("e", t0 + 4 * PERIOD)].leader_epoch == 2
 
 
-def test_failed_publish_is_retried_by_the_same_leader(store: FakeStore, clock: FakeClock) -> None:
+def test_failed_publish_is_retried_by_the_same_leader(store: Recorded, clock: FakeClock) -> None:
     a = Node(store, clock, "a")
     a.step()
     clock.advance(PERIOD)
@@ -235,8 +244,8 @@ def test_failed_publish_is_retried_by_the_same_leader(store: FakeStore, clock: F
     a.step()
     assert a.publisher.sent == []
     a.step()
-    (row,) = store.slots.values()
-    assert a.publisher.sent == [row.slot] and row.published
+    (row,) = store.tables.slots.values()
+    assert a.publisher.sent == [as_slot(row)] and row.published_at is not None
 
 
 def test_slot_task_ids_are_deterministic() -> None:
@@ -251,8 +260,8 @@ def test_two_leaders_compute_the_same_slot_and_task_id(clock: FakeClock) -> None
     """From the same last_run_at, any leader records the same (entry, due_at, task id)."""
     sent: list[Slot] = []
     for holder in ("a", "b"):
-        store = FakeStore(clock)
-        store.state["e"] = 1_000_000.0
+        store = Recorded(MemoryStore(clock), clock)
+        store.tables.beat_state["e"] = 1_000_000.0
         node = Node(store, clock, holder)
         clock.now = 1_000_000.0 + PERIOD + 0.5
         node.step()
@@ -261,7 +270,7 @@ def test_two_leaders_compute_the_same_slot_and_task_id(clock: FakeClock) -> None
     assert sent[0].task_id == slot_task_id("e", 1_000_000.0 + PERIOD)
 
 
-def test_gaining_leadership_wakes_a_sleeping_beat_thread(store: FakeStore,
+def test_gaining_leadership_wakes_a_sleeping_beat_thread(store: Recorded,
                                                          clock: FakeClock) -> None:
     """Planned handover is one leader interval: beat must not oversleep after on_gained."""
     other = LeaderElector(store, KEY, "other", ttl=TTL, interval=INTERVAL, margin=MARGIN,
@@ -309,7 +318,7 @@ def test_crontab_next_due_is_deterministic_and_strictly_later() -> None:
     assert cron.nowfun is None  # the pinned "now" was restored
 
 
-def test_catchup_latest_after_a_long_outage_fires_one_slot(store: FakeStore,
+def test_catchup_latest_after_a_long_outage_fires_one_slot(store: Recorded,
                                                            clock: FakeClock) -> None:
     """More missed periods than MAX_CATCHUP: still only the most recent one fires."""
     a = Node(store, clock, "a", entries=[every(1.0)], catchup="latest")
@@ -322,7 +331,7 @@ def test_catchup_latest_after_a_long_outage_fires_one_slot(store: FakeStore,
     assert a.publisher.due() == [t0 + 2500]
 
 
-def test_catchup_all_after_a_long_outage_fires_every_slot(store: FakeStore,
+def test_catchup_all_after_a_long_outage_fires_every_slot(store: Recorded,
                                                           clock: FakeClock) -> None:
     a = Node(store, clock, "a", entries=[every(1.0)], catchup="all")
     t0 = clock()

@@ -1,13 +1,12 @@
 """The lease keeper's local table: lost attempts stay fenced, warm shutdown gives back
-what never ran. On the SQLite store (a file per test), no worker process."""
+what never ran. On the memory store: no database, no worker process."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -22,7 +21,9 @@ from celery_pulse.store.base import (
     Permit,
     ReserveRequest,
 )
-from celery_pulse.store.sql import SqlStore, open_store
+from celery_pulse.store.memory import MemoryStore
+from celery_pulse.testing import wait_for
+from tests.helpers.clock import FakeClock
 
 TTL = 30.0
 
@@ -42,23 +43,13 @@ class Listener:
         pass
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[SqlStore]:
-    sql = open_store(f"sqlite:///{tmp_path / 'keeper.sqlite3'}", check_schema=False)
-    sql.migrate()
-    yield sql
-    sql.close()
+def store() -> MemoryStore:
+    """The memory store on the wall clock (the leases' store clock)."""
+    return MemoryStore()
 
 
-def reserve(store: SqlStore, task_id: str, publication: str) -> Grant:
+def reserve(store: MemoryStore, task_id: str, publication: str) -> Grant:
     message = Message(b"[[], {}, {}]", {"id": task_id}, {}, {}, "application/json", "utf-8")
     (grant,) = store.reserve("w1", [ReserveRequest(task_id, "t", message, "redispatch", 10, 0,
                                                    publication)], TTL)
@@ -66,8 +57,8 @@ def reserve(store: SqlStore, task_id: str, publication: str) -> Grant:
     return grant
 
 
-def test_a_newer_grant_of_the_task_still_hard_stops_the_lost_attempt(store: SqlStore) -> None:
-    clock, listener = Clock(), Listener()
+def test_a_newer_grant_of_the_task_still_hard_stops_the_lost_attempt(store: MemoryStore) -> None:
+    clock, listener = FakeClock(1000.0), Listener()
     keeper = LeaseKeeper(store, "w1", ttl=TTL, interval=1, margin=1, grace=2,
                          listener=listener, monotonic=clock)
     old = keeper.add(reserve(store, "t1", "p1"), clock(), 0, False)
@@ -83,7 +74,7 @@ def test_a_newer_grant_of_the_task_still_hard_stops_the_lost_attempt(store: SqlS
     assert keeper.get("t1") is new and keeper._displaced == {}
 
 
-def test_warm_shutdown_never_releases_a_job_handed_to_the_pool(store: SqlStore) -> None:
+def test_warm_shutdown_never_releases_a_job_handed_to_the_pool(store: MemoryStore) -> None:
     """Accepted or not seen accepted: a job in the pool may have run, so it stays running.
 
     Only reservations, starts that never reached the pool and jobs the pool dropped
@@ -110,7 +101,7 @@ def test_warm_shutdown_never_releases_a_job_handed_to_the_pool(store: SqlStore) 
 class Spy:
     """The store, with each exchange recorded and the first one held until released."""
 
-    def __init__(self, store: SqlStore, fail_first: bool = False) -> None:
+    def __init__(self, store: MemoryStore, fail_first: bool = False) -> None:
         self.store = store
         self.calls: list[tuple[list[str], list[str], list[str]]] = []
         self.go = threading.Event()
@@ -139,15 +130,10 @@ def request(task_id: str) -> ReserveRequest:
     return ReserveRequest(task_id, "t", message, "review", 10, 0, None)
 
 
-def wait(predicate: Callable[[], Any], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def test_what_queues_up_during_an_exchange_goes_out_together_in_the_next(
-        store: SqlStore) -> None:
+        store: MemoryStore) -> None:
     """Completions, reservations and starts share one exchange (one round trip on
     PostgreSQL), however few of each: the group commit."""
     spy = Spy(store)
@@ -165,7 +151,7 @@ def test_what_queues_up_during_an_exchange_goes_out_together_in_the_next(
         keeper.submit_reserve(request("next"), lambda r, _sent: answers.update(next=r),
                               urgent=False)
         spy.go.set()
-        wait(lambda: len(answers) == 4, "every answer")
+        wait_for(lambda: len(answers) == 4, 10, "every answer", interval=0.005)
     finally:
         spy.go.set()
         keeper.stop()
@@ -176,7 +162,7 @@ def test_what_queues_up_during_an_exchange_goes_out_together_in_the_next(
 
 
 def test_a_failed_exchange_answers_its_reservations_and_keeps_its_completions(
-        store: SqlStore) -> None:
+        store: MemoryStore) -> None:
     spy = Spy(store, fail_first=True)
     keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
                          listener=Listener())
@@ -188,7 +174,7 @@ def test_a_failed_exchange_answers_its_reservations_and_keeps_its_completions(
         keeper.submit_reserve(request("new"), lambda r, _sent: answers.update(new=r))
         assert spy.entered.wait(10)
         spy.go.set()
-        wait(lambda: len(answers) == 2, "both answers")
+        wait_for(lambda: len(answers) == 2, 10, "both answers", interval=0.005)
     finally:
         spy.go.set()
         keeper.stop()
@@ -200,7 +186,7 @@ def test_a_failed_exchange_answers_its_reservations_and_keeps_its_completions(
     assert {c.task_id: c.state for c in store.list_claims()}["done"] == "succeeded"
 
 
-def test_warm_shutdown_releases_grants_the_event_loop_never_took(store: SqlStore) -> None:
+def test_warm_shutdown_releases_grants_the_event_loop_never_took(store: MemoryStore) -> None:
     """A reservation answered after the consumer's loop stopped never ran, even one
     granted as running (its start folded in): it is released, not left to expire into
     review."""
@@ -210,7 +196,7 @@ def test_warm_shutdown_releases_grants_the_event_loop_never_took(store: SqlStore
     keeper.start()
     keeper.submit_reserve(dataclasses.replace(request("late"), start=True),
                           lambda result, _sent: answered.append(result))  # never added
-    wait(lambda: answered, "the grant")
+    wait_for(lambda: answered, 10, "the grant", interval=0.005)
     assert isinstance(answered[0], Grant) and answered[0].started
     keeper.stop()
     (info,) = store.list_claims()
@@ -218,7 +204,7 @@ def test_warm_shutdown_releases_grants_the_event_loop_never_took(store: SqlStore
     assert info.lease_remaining <= 0  # expired now: Recover re-publishes it at once
 
 
-def test_a_claim_completed_during_a_renewal_is_not_lost(store: SqlStore) -> None:
+def test_a_claim_completed_during_a_renewal_is_not_lost(store: MemoryStore) -> None:
     """The renewer snapshots the held claims, then renews: a task that completes in
     between is no longer granted, but it was never lost (and its pid may already run the
     next task: no LeaseLost signal may go to it)."""
@@ -247,7 +233,7 @@ def test_a_claim_completed_during_a_renewal_is_not_lost(store: SqlStore) -> None
 class FailingPermits:
     """The store, failing every exchange that carries starts needing permits."""
 
-    def __init__(self, store: SqlStore) -> None:
+    def __init__(self, store: MemoryStore) -> None:
         self.store = store
         self.calls: list[tuple[list[str], list[str], list[str]]] = []
 
@@ -264,7 +250,7 @@ class FailingPermits:
         return self.store.exchange(holder, ttl, completions, reserves, starts, permits)
 
 
-def test_a_failing_limited_start_fails_nothing_else_in_its_batch(store: SqlStore) -> None:
+def test_a_failing_limited_start_fails_nothing_else_in_its_batch(store: MemoryStore) -> None:
     """Starts that need permits go to the store apart from the batch's other ops: their
     failure (a fault-suite run saw one fail thousands of times) answers them alone."""
     spy = FailingPermits(store)
@@ -281,7 +267,7 @@ def test_a_failing_limited_start_fails_nothing_else_in_its_batch(store: SqlStore
     keeper.submit_reserve(request("new"), lambda r, _sent: answers.update(new=r))
     keeper.start()
     try:
-        wait(lambda: len(answers) == 4, "every answer")
+        wait_for(lambda: len(answers) == 4, 10, "every answer", interval=0.005)
     finally:
         keeper.stop()
     assert spy.calls[:2] == [(["done"], ["new"], ["plain"]), ([], [], ["limited"])]

@@ -1,4 +1,4 @@
-"""LeaderElector driven by hand: a fake clock, an in-memory store, ``tick()`` called by the test.
+"""LeaderElector driven by hand: a fake clock, the memory store, ``tick()`` called by the test.
 
 One fake clock is both the store clock and the elector's monotonic clock; the test
 moves it explicitly. Only the first test starts the real thread (to see that the
@@ -14,7 +14,9 @@ import pytest
 
 from celery_pulse.leader import LeaderElector
 from celery_pulse.store.base import LeaderGrant
-from tests.unit.fakestore import FakeClock, FakeStore
+from celery_pulse.store.memory import MemoryStore
+from tests.helpers.clock import FakeClock
+from tests.helpers.recording import Recorded
 
 KEY = "beat"
 TTL = 30.0
@@ -37,7 +39,7 @@ class Events:
         self.log.append(("lost", grant.epoch))
 
 
-def elector(store: FakeStore, clock: FakeClock, holder: str, events: Events | None = None,
+def elector(store: Recorded, clock: FakeClock, holder: str, events: Events | None = None,
             **kwargs: float) -> LeaderElector:
     events = events or Events()
     params = {"ttl": TTL, "interval": INTERVAL, "margin": MARGIN, **kwargs}
@@ -52,16 +54,17 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def store(clock: FakeClock) -> FakeStore:
-    return FakeStore(clock)
+def store(clock: FakeClock) -> Recorded:
+    """The memory store on the fake clock, its calls recorded."""
+    return Recorded(MemoryStore(clock), clock)
 
 
-def test_interval_must_be_shorter_than_ttl(store: FakeStore, clock: FakeClock) -> None:
+def test_interval_must_be_shorter_than_ttl(store: Recorded, clock: FakeClock) -> None:
     with pytest.raises(ValueError, match="shorter"):
         elector(store, clock, "a", ttl=10.0, interval=10.0)
 
 
-def test_first_attempt_is_immediate_and_stop_is_prompt(store: FakeStore, clock: FakeClock) -> None:
+def test_first_attempt_is_immediate_and_stop_is_prompt(store: Recorded, clock: FakeClock) -> None:
     # A 100 s interval (real seconds for the thread's waits): only an immediate first
     # attempt can make us leader within the 2 s we wait.
     events = Events()
@@ -70,15 +73,16 @@ def test_first_attempt_is_immediate_and_stop_is_prompt(store: FakeStore, clock: 
     try:
         assert events.gained.wait(2.0), "no leadership within 2 s of start()"
         assert e.is_leader and e.epoch == 1
+        token = e.grant.token if e.grant else None
     finally:
         started = time.monotonic()
         e.stop()
     assert time.monotonic() - started < 2.0, "stop() waited for the interval"
     assert not e.is_leader
-    assert store.releases == [(KEY, "tok0001")]
+    assert store.releases == [(KEY, token)]
 
 
-def test_deadline_counts_from_when_the_request_was_sent(store: FakeStore,
+def test_deadline_counts_from_when_the_request_was_sent(store: Recorded,
                                                        clock: FakeClock) -> None:
     e = elector(store, clock, "a")
     sent = clock()
@@ -94,7 +98,7 @@ def test_deadline_counts_from_when_the_request_was_sent(store: FakeStore,
     assert not e.is_leader and e.epoch is None
 
 
-def test_renewal_keeps_the_term_and_moves_the_deadline(store: FakeStore, clock: FakeClock) -> None:
+def test_renewal_keeps_the_term_and_moves_the_deadline(store: Recorded, clock: FakeClock) -> None:
     events = Events()
     e = elector(store, clock, "a", events)
     e.tick()
@@ -110,7 +114,7 @@ def test_renewal_keeps_the_term_and_moves_the_deadline(store: FakeStore, clock: 
 
 
 def test_not_leader_after_local_deadline_without_successful_renewal(
-        store: FakeStore, clock: FakeClock) -> None:
+        store: Recorded, clock: FakeClock) -> None:
     events = Events()
     a = elector(store, clock, "a", events)
     a.tick()
@@ -141,7 +145,7 @@ def test_not_leader_after_local_deadline_without_successful_renewal(
     assert a.is_leader and events.log[-1] == ("gained", 2)
 
 
-def test_on_gained_and_on_lost_follow_role_changes(store: FakeStore, clock: FakeClock) -> None:
+def test_on_gained_and_on_lost_follow_role_changes(store: Recorded, clock: FakeClock) -> None:
     ea, eb = Events(), Events()
     a, b = elector(store, clock, "a", ea), elector(store, clock, "b", eb)
     a.tick()
@@ -159,7 +163,7 @@ def test_on_gained_and_on_lost_follow_role_changes(store: FakeStore, clock: Fake
     assert b.is_leader
 
 
-def test_stop_releases_and_does_not_fire_on_lost(store: FakeStore, clock: FakeClock) -> None:
+def test_stop_releases_and_does_not_fire_on_lost(store: Recorded, clock: FakeClock) -> None:
     ea, eb = Events(), Events()
     a, b = elector(store, clock, "a", ea), elector(store, clock, "b", eb)
     a.tick()
@@ -180,7 +184,7 @@ def test_stop_releases_and_does_not_fire_on_lost(store: FakeStore, clock: FakeCl
     assert len(store.calls) == calls
 
 
-def test_stop_when_not_leader_releases_nothing(store: FakeStore, clock: FakeClock) -> None:
+def test_stop_when_not_leader_releases_nothing(store: Recorded, clock: FakeClock) -> None:
     a, b = elector(store, clock, "a"), elector(store, clock, "b")
     a.tick()
     b.tick()
@@ -189,7 +193,7 @@ def test_stop_when_not_leader_releases_nothing(store: FakeStore, clock: FakeCloc
     assert a.is_leader and store.get_leader(KEY) is not None
 
 
-def test_stale_leader_renewal_never_extends_a_newer_term(store: FakeStore,
+def test_stale_leader_renewal_never_extends_a_newer_term(store: Recorded,
                                                          clock: FakeClock) -> None:
     ea, eb = Events(), Events()
     a, b = elector(store, clock, "a", ea), elector(store, clock, "b", eb)
@@ -198,7 +202,7 @@ def test_stale_leader_renewal_never_extends_a_newer_term(store: FakeStore,
     assert old is not None
     clock.advance(TTL + 1)  # a is paused past its lease
     b.tick()
-    newer = store.terms[KEY]
+    newer = store.tables.leaders[KEY]
     before = (newer.holder, newer.token, newer.epoch, newer.lease_until)
     clock.advance(1.0)
     a.tick()  # a's renewal carries its old token
@@ -214,7 +218,7 @@ def test_stale_leader_renewal_never_extends_a_newer_term(store: FakeStore,
     assert ea.log[-1] == ("gained", 3)
 
 
-def test_term_change_reports_lost_then_gained(store: FakeStore, clock: FakeClock) -> None:
+def test_term_change_reports_lost_then_gained(store: Recorded, clock: FakeClock) -> None:
     """Our old term ended behind our back and we got a new one in the same attempt."""
     ea = Events()
     a, b = elector(store, clock, "a", ea), elector(store, clock, "b")
@@ -227,7 +231,7 @@ def test_term_change_reports_lost_then_gained(store: FakeStore, clock: FakeClock
     assert a.is_leader and a.epoch == 3
 
 
-def test_lease_expired_but_not_taken_is_renewed_in_the_same_term(store: FakeStore,
+def test_lease_expired_but_not_taken_is_renewed_in_the_same_term(store: Recorded,
                                                                  clock: FakeClock) -> None:
     ea = Events()
     a = elector(store, clock, "a", ea)
@@ -249,7 +253,7 @@ def test_worker_elector_leads_with_a_short_leader_ttl(monkeypatch: pytest.Monkey
     monkeypatch.setattr(child, "_context", child._context)  # restored after the test
     settings = Settings.from_conf({"pulse_store_url": "sqlite:///never-opened.sqlite3",
                                    "pulse_leader_ttl": 1.0, "pulse_leader_interval": 0.3})
-    store = FakeStore(FakeClock())
+    store = MemoryStore(FakeClock())
     pulse = PulseWorker(Celery(set_as_current=False), "w@host", 1, settings, store)
     assert pulse.elector is not None
     pulse.elector.tick()  # real monotonic clock, as in the worker

@@ -15,24 +15,12 @@ from celery_pulse.errors import NotRegistered
 from celery_pulse.registry import Membership
 from celery_pulse.store.base import Heartbeat, Registration
 from celery_pulse.store.memory import MemoryStore
+from tests.helpers.clock import FakeClock
 
 TTL = 30.0
 INTERVAL = 10.0
 MARGIN = 2.0
 WID = "w1@host"
-
-
-class FakeClock:
-    """A clock that only moves when told to."""
-
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class Recorder:
@@ -101,7 +89,7 @@ def member(store: MemoryStore, clock: FakeClock, listener: Recorder) -> Iterator
 
 
 def token_in_store(store: MemoryStore) -> str:
-    return store._workers[WID].token
+    return store.tables.workers[WID].token
 
 
 # -- start / heartbeat -------------------------------------------------------------
@@ -135,7 +123,7 @@ def test_heartbeat_extends_deadline(member: Membership, store: MemoryStore,
     clock.advance(INTERVAL)
     assert member.tick() == INTERVAL
     assert member.deadline == first_deadline + INTERVAL
-    assert store._workers[WID].expires_at == clock.now + TTL
+    assert store.tables.workers[WID].expires_at == clock.now + TTL
     # Well past the original deadline and store expiry, kept alive by heartbeats.
     for _ in range(10):
         clock.advance(INTERVAL)
@@ -190,7 +178,7 @@ def test_store_back_while_registration_alive_resumes(member: Membership, store: 
     clock.now = member.deadline + MARGIN / 2  # locally fenced, store row still alive
     member.tick()
     assert listener.names() == ["fenced"]
-    assert store._workers[WID].expires_at > clock.now
+    assert store.tables.workers[WID].expires_at > clock.now
     store.down = False
     assert member.tick() == INTERVAL
     assert listener.names() == ["fenced", "resumed"]
@@ -273,7 +261,7 @@ def test_expired_name_taken_by_live_newcomer_is_not_stolen(member: Membership,
     assert member.tick() is None
     assert listener.names() == ["lost"]
     assert token_in_store(store) == newcomer.token
-    assert store._workers[WID].labels == {"who": "newcomer"}
+    assert store.tables.workers[WID].labels == {"who": "newcomer"}
     member.stop()
     assert token_in_store(store) == newcomer.token
 
@@ -290,7 +278,7 @@ def test_newcomer_racing_the_reregistration_is_not_stolen(clock: FakeClock,
     assert listener.names() == ["fenced", "lost"]
     assert m.state == Membership.LOST
     assert token_in_store(store) == store.newcomer.token
-    assert store._workers[WID].labels == {"who": "newcomer"}
+    assert store.tables.workers[WID].labels == {"who": "newcomer"}
     m.stop()
     assert token_in_store(store) == store.newcomer.token
 
@@ -314,7 +302,7 @@ def test_drain_flag_calls_on_drain_once(member: Membership, store: MemoryStore,
     clock.advance(INTERVAL)
     member.tick()
     assert listener.events == [] and not member.draining
-    store._workers[WID].draining = True
+    store.tables.workers[WID].draining = True
     clock.advance(INTERVAL)
     assert member.tick() == INTERVAL
     assert listener.names() == ["drain"]
