@@ -36,6 +36,7 @@ from celery_pulse.store.base import (
     Message,
     Refusal,
     ReserveRequest,
+    ResultRecord,
     Store,
 )
 from celery_pulse.store.sql import SqlStore
@@ -43,7 +44,7 @@ from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.fence import make_fencer
 from celery_pulse.store.sql.tables import claims
 from celery_pulse.testing import wait_for
-from tests.helpers.stores import claim_row, evidence_rows, other_handle
+from tests.helpers.stores import claim_row, evidence_rows, other_handle, result_value
 
 TTL = 30.0
 W1, W2 = "w1@host", "w2@host"
@@ -822,3 +823,33 @@ def test_a_holder_that_cant_tell_what_happened_sends_the_task_to_review(
     assert store.complete(W1, [done]) == {g.task_id: "duplicate"}
     # Nobody re-runs it until a human decides, whatever its policy.
     assert isinstance(store.reserve(W2, [request(g.task_id)], TTL)[0], Refusal)
+
+
+# -- results a completion writes (the pulse:// backend's rows) ------------------------------
+def test_a_completion_writes_its_result_and_counts_its_part_only_if_it_applies(
+        store: Store) -> None:
+    """An applied completion writes its result and adds its part to the counter, in its
+    own transaction; a stale or repeated one writes and counts nothing. (The backend
+    that reads them is SQL's: test_results_contract.py.)"""
+    def part(g: Grant, value: bytes) -> Completion:
+        record = ResultRecord(f"result-{g.task_id}", value, "SUCCESS", 3600.0, "SUCCESS",
+                              counter="chord-g1", counter_note=b"the callback")
+        return Completion(g.task_id, g.epoch, g.token, SUCCEEDED, None, record)
+
+    first, second, stale = (grant(store, W1, request()) for _ in range(3))
+    store.release(W1, [key(stale)])
+    grant(store, W2, request(stale.task_id))  # taken over: W1's attempt is stale
+    counted: dict[str, tuple[int, str]] = {}
+    answers = store.complete(W1, [part(first, b"1"), part(second, b"2"), part(stale, b"0")],
+                             counted)
+    assert answers[stale.task_id] == "evidence"
+    ordered = sorted([first.task_id, second.task_id])
+    assert {t: c for t, (c, _) in counted.items()} == {ordered[0]: 1, ordered[1]: 2}
+    (nonce,) = {n for _, n in counted.values()}
+    assert len(nonce) == 32
+    assert result_value(store, f"result-{first.task_id}") == b"1"
+    assert result_value(store, f"result-{stale.task_id}") is None
+    assert result_value(store, "chord-g1") == b"the callback"
+    again: dict[str, tuple[int, str]] = {}
+    assert store.complete(W1, [part(first, b"again")], again) == {first.task_id: "duplicate"}
+    assert again == {} and result_value(store, f"result-{first.task_id}") == b"1"

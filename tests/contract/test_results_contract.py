@@ -1,7 +1,10 @@
 """The ``pulse://`` result backend on every SQL store: Celery's key-value contract.
 
 Each test drives a real Celery app whose ``result_backend`` is ``pulse+<store url>``
-against a fresh, migrated store (SQLite, PostgreSQL, MariaDB).
+against a fresh, migrated store (SQLite, PostgreSQL, MariaDB). SQL only (``sql_store``):
+the backend is a table of the SQL store, reached by its URL; the memory store has no URL
+and no backend (it keeps the fenced results a completion writes, for the mechanism's
+unit tests).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A value the store cannot keep is :class:`Unstorable` (about one delivery), never an
-outage, and the store goes on serving (issue 32). Run on every SQL store."""
+outage, and the store goes on serving (issue 32). Run on every SQL store (``sql_store``):
+what a store cannot keep is decided by its columns' widths and its driver's limits."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from celery_pulse.store.base import Store
 from celery_pulse.store.memory import MemoryStore
 from celery_pulse.store.sql import SqlStore, open_store
+from celery_pulse.store.sql.results import ResultRows
 from celery_pulse.store.sql.tables import beat_slots, claims, evidence, reviews
 
 
@@ -136,3 +137,13 @@ def all_claim_rows(store: Store) -> list[Any]:
     assert isinstance(store, SqlStore)
     with store.engine.connect() as conn:
         return list(conn.execute(sa.select(claims).order_by(claims.c.task_id)))
+
+
+def result_value(store: Store, key: str) -> bytes | None:
+    """The live value at ``key`` of the ``pulse://`` backend's table (None: absent)."""
+    if isinstance(store, MemoryStore):
+        row = store.tables.results.get(key)
+        live = row is not None and (row.expires_at is None or row.expires_at > store.now())
+        return row.value if row is not None and live else None
+    assert isinstance(store, SqlStore)
+    return ResultRows(store.engine).get(key)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from celery_pulse.testing import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ROOT", "Env", "Worker", "wait_for"]
+__all__ = ["ROOT", "Env", "Worker", "assert_alive", "wait_for", "wait_with_workers"]
 
 
 
@@ -121,3 +122,24 @@ class Worker:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
         self._log.close()
+
+
+def assert_alive(*ws: Worker) -> None:
+    """Fail at once, with its log, if one of ``ws`` exited."""
+    for w in ws:
+        if w.proc.poll() is not None:
+            raise AssertionError(f"worker {w.name} exited ({w.proc.returncode}):\n"
+                                 f"{w.log()[-4000:]}")
+
+
+def wait_with_workers(predicate: Callable[[], Any], timeout: float, what: str,
+                      ws: tuple[Worker, ...], interval: float = 0.05) -> Any:
+    """``wait_for`` that fails at once if a worker died, and shows the workers' logs."""
+    def check() -> Any:
+        assert_alive(*ws)
+        return predicate()
+    try:
+        return wait_for(check, timeout, what, interval=interval)
+    except AssertionError as exc:
+        tails = "\n".join(f"--- {w.name}:\n{w.log()[-3000:]}" for w in ws)
+        raise AssertionError(f"{exc}\n{tails}") from None
