@@ -28,12 +28,12 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
-from celery_pulse.gateway.client import Assigned, GatewayClient
+from celery_pulse.gateway.client import Answer, Assigned, GatewayClient
 from celery_pulse.gateway.frames import Code, ProtocolError
 from celery_pulse.settings import Settings, mask_url
 from celery_pulse.store.base import (
@@ -45,6 +45,7 @@ from celery_pulse.store.base import (
     Completion,
     Grant,
     Heartbeat,
+    LeaseKey,
     PermitSignals,
     Refusal,
     Registration,
@@ -134,6 +135,22 @@ class GatewayStore(RegistryStore, ClaimStore):
             return None
         return found
 
+    def _ask_each(self, leases: Sequence[LeaseKey], ask: Callable[[Assigned], Answer]
+                  ) -> Iterator[tuple[str, Answer | ProtocolError]]:
+        """``ask`` the gateway about each lease it assigned us (the others are skipped:
+        not ours, lost): each task's answer, or the refusal it met. A refusal that says
+        the gateway could not answer is :class:`StoreUnavailable`, raised."""
+        for task_id, epoch, token in leases:
+            assigned = self._find(task_id, epoch, token)
+            if assigned is None:
+                continue
+            try:
+                answer: Answer | ProtocolError = ask(assigned)
+            except ProtocolError as exc:
+                self._raise_if_unavailable(exc)
+                answer = exc
+            yield task_id, answer
+
     def _forget(self, task_id: str, epoch: int) -> None:
         found = self.client.assigned_for(task_id, epoch)
         if found is not None:
@@ -185,39 +202,26 @@ class GatewayStore(RegistryStore, ClaimStore):
                              0.0, 1))
         return out
 
-    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float,
+    def start_many(self, holder: str, leases: Sequence[LeaseKey], ttl: float,
                    permits: Mapping[str, Sequence[Any]] | None = None,
                    waiting: set[str] | None = None) -> dict[str, float]:
         started: dict[str, float] = {}
-        for task_id, epoch, token in leases:
-            assigned = self._find(task_id, epoch, token)
-            if assigned is None:
-                continue
-            try:
-                answer = self.client.start_task(assigned)
-            except ProtocolError as exc:
-                self._raise_if_unavailable(exc)
-                continue  # refused: lost (its finish, if any, is evidence)
-            if answer.active:
+        for task_id, answer in self._ask_each(leases, self.client.start_task):
+            # (refused: lost; its finish, if any, is evidence)
+            if not isinstance(answer, ProtocolError) and answer.active:
                 started[task_id] = 0.0
         return started
 
-    def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+    def renew(self, holder: str, leases: Sequence[LeaseKey], ttl: float
               ) -> tuple[set[str], set[str]]:
         renewed: set[str] = set()
         busy: set[str] = set()
-        for task_id, epoch, token in leases:
-            assigned = self._find(task_id, epoch, token)
-            if assigned is None:
-                continue
-            try:
-                answer = self.client.renew(assigned)
-            except ProtocolError as exc:
-                self._raise_if_unavailable(exc)
-                if exc.code == Code.STATE_CONFLICT:  # not started: valid, not extended
+        for task_id, answer in self._ask_each(leases, self.client.renew):
+            if isinstance(answer, ProtocolError):
+                if answer.code == Code.STATE_CONFLICT:  # not started: valid, not extended
                     busy.add(task_id)
-                continue  # else lost
-            if answer.active:
+                # else lost
+            elif answer.active:
                 renewed.add(task_id)
         return renewed, busy
 
@@ -243,7 +247,7 @@ class GatewayStore(RegistryStore, ClaimStore):
             self._forget(c.task_id, c.epoch)
         return out
 
-    def release(self, holder: str, leases: Sequence[tuple[str, int, str]], *,
+    def release(self, holder: str, leases: Sequence[LeaseKey], *,
                 never_ran: bool = False) -> int:
         # No protocol operation gives a lease back: it expires at the gateway, and
         # Recover (there, or in any direct worker) re-dispatches it.
