@@ -36,7 +36,7 @@ from celery_pulse.store.base import Grant, Permit, PermitUsage
 from celery_pulse.store.sql import SqlStore, open_store
 from tests.contract import test_claims_contract as contract
 from tests.helpers.services import cut_vhost_connections, private_vhost, tidy_queue
-from tests.helpers.workers import Env, Worker, assert_alive, wait_with_workers
+from tests.helpers.workers import Env, Worker, assert_alive, wait_alive
 
 APP = "tests.apps.permitapp"
 LIMITED, FREE, PER_CUSTOMER, GATED = ("permitapp.limited", "permitapp.free",
@@ -302,9 +302,9 @@ def test_limit_holds_across_three_workers_and_unlimited_tasks_flow(
         for _ in range(N):
             ids[LIMITED].append(client.send_task(LIMITED, (str(journal), 0.02)).id)
             ids[FREE].append(client.send_task(FREE, (str(journal), 0.01)).id)
-    wait_with_workers(lambda: ended(journal, LIMITED) == N and ended(journal, FREE) == N, 120,
+    wait_alive(lambda: ended(journal, LIMITED) == N and ended(journal, FREE) == N, 120,
                f"all {2 * N} tasks to end", ws)
-    wait_with_workers(lambda: all_in_state(either_store, ids[LIMITED] + ids[FREE], "succeeded"),
+    wait_alive(lambda: all_in_state(either_store, ids[LIMITED] + ids[FREE], "succeeded"),
                30, "every claim to succeed", ws)
     elapsed = time.monotonic() - began
 
@@ -342,8 +342,8 @@ def test_per_key_limit_holds_per_key_and_keys_run_side_by_side(
     with producer(env) as client:
         ids = [client.send_task(PER_CUSTOMER, (str(journal), 0.05), {"customer": i % 5}).id
                for i in range(50)]
-    wait_with_workers(lambda: ended(journal, PER_CUSTOMER) == 50, 90, "all 50 tasks to end", ws)
-    wait_with_workers(lambda: all_in_state(pg_url, ids, "succeeded"), 30, "every claim to succeed", ws)
+    wait_alive(lambda: ended(journal, PER_CUSTOMER) == 50, 90, "all 50 tasks to end", ws)
+    wait_alive(lambda: all_in_state(pg_url, ids, "succeeded"), 30, "every claim to succeed", ws)
 
     history = runs(journal, PER_CUSTOMER)
     assert sorted(r.task_id for r in history) == sorted(ids)
@@ -379,14 +379,14 @@ def test_permits_of_a_killed_worker_come_back_with_recover(
     cluster.ready(a)
     with producer(env) as client:
         held = [client.send_task(GATED, (str(journal), str(gates), 60)).id for _ in range(2)]
-        wait_with_workers(lambda: {r.task_id for r in runs(journal, GATED)} == set(held), 20,
+        wait_alive(lambda: {r.task_id for r in runs(journal, GATED)} == set(held), 20,
                    "both long tasks to start on A", (a,))
         b = cluster.worker(env, "b@%h", concurrency=4)
         cluster.ready(b)
         waiting = [client.send_task(GATED, (str(journal), str(gates), 0.3)).id
                    for _ in range(4)]
     key = task_key(GATED)
-    wait_with_workers(lambda: usage(store, key) == PermitUsage(key, 2, 2, 4), 20,
+    wait_alive(lambda: usage(store, key) == PermitUsage(key, 2, 2, 4), 20,
                "2 running and 4 waiting for the permits", (a, b))
     assert {r.start.host.split("@")[0] for r in runs(journal, GATED)} == {"a"}
 
@@ -395,13 +395,13 @@ def test_permits_of_a_killed_worker_come_back_with_recover(
     # The lease each of A's executions held as the store last granted it: its permit
     # cannot come back before that.
     lease_of = {t: float(r.lease_until) for t, r in claim_rows(pg_url, held).items()}
-    wait_with_workers(lambda: all(r.epoch >= 2 for r in claim_rows(pg_url, held).values()),
+    wait_alive(lambda: all(r.epoch >= 2 for r in claim_rows(pg_url, held).values()),
                BOUND + SLACK + 10, "Recover to take A's two claims over", (b,), interval=0.02)
     delay = time.time() - killed
     print(f"\nkill -> both claims taken over: {delay:.3f}s (bound {BOUND}s + {SLACK}s slack)")
     assert delay <= BOUND + SLACK, delay
     (gates / "all").touch()  # the re-runs of the long ones end at once
-    wait_with_workers(lambda: all_in_state(pg_url, held + waiting, "succeeded"), 30,
+    wait_alive(lambda: all_in_state(pg_url, held + waiting, "succeeded"), 30,
                "every task to succeed on B", (b,))
 
     history = runs(journal, GATED)
@@ -456,19 +456,19 @@ def test_stale_completion_of_a_paused_worker_frees_no_permit(
     cluster.ready(a, b)
     with Sampler(pg_url, key) as sampler, producer(env) as client:
         t1 = client.send_task(GATED, (str(journal), str(gates), 60)).id
-        wait_with_workers(lambda: any(r.task_id == t1 for r in runs(journal, GATED)), 20,
+        wait_alive(lambda: any(r.task_id == t1 for r in runs(journal, GATED)), 20,
                    "T1 to start on A", (a, b))
         on_b = [client.send_task(GATED, (str(journal), str(gates), 60), queue=b_env.queue).id
                 for _ in range(2)]
-        wait_with_workers(lambda: usage(store, key) == PermitUsage(key, 1, 1, 2), 20,
+        wait_alive(lambda: usage(store, key) == PermitUsage(key, 1, 1, 2), 20,
                    "B's two tasks to wait for the permit", (a, b))
 
         paused = time.time()
         (a.signal if pause == "worker" else a.signal_main)(signal.SIGSTOP)
-        wait_with_workers(lambda: claim_rows(pg_url, [t1])[t1].epoch >= 2, BOUND + SLACK + 10,
+        wait_alive(lambda: claim_rows(pg_url, [t1])[t1].epoch >= 2, BOUND + SLACK + 10,
                    "Recover to take T1 over", (b,), interval=0.02)
         print(f"\n{pause} -> T1 taken over: {time.time() - paused:.3f}s")
-        x_run = wait_with_workers(lambda: next((r for r in runs(journal, GATED)
+        x_run = wait_alive(lambda: next((r for r in runs(journal, GATED)
                                          if r.task_id in on_b), None), 10,
                            "one of B's tasks to get the permit", (b,))
         x = x_run.task_id
@@ -485,15 +485,15 @@ def test_stale_completion_of_a_paused_worker_frees_no_permit(
             return next((r for r in runs(journal, GATED) if r.task_id == t1
                          and r.start.epoch == 1 and r.end), None)
         if pause == "main":  # the pool runs on: the body ends while the parent is paused
-            wait_with_workers(stale_ended, 10, "T1's stale execution to end", (a, b))
+            wait_alive(stale_ended, 10, "T1's stale execution to end", (a, b))
         a.signal(signal.SIGCONT)
         resumed = time.time()
-        stale = wait_with_workers(stale_ended, 15, "T1's stale execution to end", (a, b))
+        stale = wait_alive(stale_ended, 15, "T1's stale execution to end", (a, b))
         assert stale.end is not None
         a.wait_log(rf"late outcome \S+ for task {t1} epoch 1 kept as evidence"
                    rf"|lease lost for task {t1} epoch 1", 15)
         # T1 re-dispatched to A's queue: reserved by A, it waits for the permit as well.
-        wait_with_workers(lambda: usage(store, key) == PermitUsage(key, 1, 1, 2), 15,
+        wait_alive(lambda: usage(store, key) == PermitUsage(key, 1, 1, 2), 15,
                    "T1's re-run and B's other task to wait for the permit", (a, b))
         # Observation window: longer than the waiters' longest backoff (1 s) plus a few
         # renewals, so a permit wrongly given back would have been taken by now.
@@ -510,7 +510,7 @@ def test_stale_completion_of_a_paused_worker_frees_no_permit(
         assert claim_rows(pg_url, [x])[x].state == "running"
 
         (gates / "all").touch()
-        wait_with_workers(lambda: all_in_state(pg_url, [t1, *on_b], "succeeded"), 40,
+        wait_alive(lambda: all_in_state(pg_url, [t1, *on_b], "succeeded"), 40,
                    "every task to succeed", (a, b))
         assert sampler.max_running() == 1, sampler.samples
         assert sampler.max_running(since=resumed) == 1
@@ -600,7 +600,7 @@ def test_status_and_worker_stats_show_permits(
 
     with producer(env) as client:
         ids = [client.send_task(GATED, (str(journal), str(gates), 60)).id for _ in range(5)]
-        shown = wait_with_workers(lambda: (p := permits()).get(key, {}).get("waiting") == 3 and p,
+        shown = wait_alive(lambda: (p := permits()).get(key, {}).get("waiting") == 3 and p,
                            30, "pulse status to show 2 running and 3 waiting", ws,
                            interval=0.3)
         print(f"\n{json.dumps(shown, indent=1)}")
@@ -615,12 +615,12 @@ def test_status_and_worker_stats_show_permits(
             if set(stats) != set(names):
                 return None
             return sum(int(s["pulse"]["permits"]["waiting"]) for s in stats.values())
-        assert wait_with_workers(lambda: stats_waiting() == 3, 20,
+        assert wait_alive(lambda: stats_waiting() == 3, 20,
                           "the workers' stats to show 3 waiting", ws, interval=0.5)
 
         (gates / "all").touch()
-        wait_with_workers(lambda: all_in_state(pg_url, ids, "succeeded"), 30, "every task to succeed", ws)
-        wait_with_workers(lambda: stats_waiting() == 0, 20, "the workers' stats to show none waiting",
+        wait_alive(lambda: all_in_state(pg_url, ids, "succeeded"), 30, "every task to succeed", ws)
+        wait_alive(lambda: stats_waiting() == 0, 20, "the workers' stats to show none waiting",
                    ws, interval=0.5)
     final = permits()
     assert final[key] == {"key": key, "limit": 2, "running": 0, "waiting": 0}
@@ -644,8 +644,8 @@ def test_queue_limit_holds_for_every_task_of_the_queue(
     cluster.ready(*ws)
     with producer(env) as client:
         ids = [client.send_task(FREE, (str(journal), 0.05)).id for _ in range(30)]
-    wait_with_workers(lambda: ended(journal, FREE) == 30, 60, "all 30 tasks to end", ws)
-    wait_with_workers(lambda: all_in_state(pg_url, ids, "succeeded"), 30, "every claim to succeed", ws)
+    wait_alive(lambda: ended(journal, FREE) == 30, 60, "all 30 tasks to end", ws)
+    wait_alive(lambda: all_in_state(pg_url, ids, "succeeded"), 30, "every claim to succeed", ws)
     history = runs(journal, FREE)
     assert sorted(r.task_id for r in history) == sorted(ids)
     assert max_overlap(closed(r) for r in history) == 3
@@ -686,10 +686,10 @@ def test_a_reconnect_never_leaves_later_waiters_stuck(
         elsewhere = hold_permit(store, Permit(key, 1))
         with producer(env) as client:
             limited = client.send_task(LIMITED, (str(journal), 0.01)).id
-            wait_with_workers(lambda: (u := usage(store, key)) is not None and u.waiting == 1, 30,
+            wait_alive(lambda: (u := usage(store, key)) is not None and u.waiting == 1, 30,
                        "the limited task to wait for the permit", (w,))
             busy = client.send_task(GATED, (str(journal), str(gates), 120)).id
-            wait_with_workers(lambda: all_in_state(pg_url, [busy], "running"), 30,
+            wait_alive(lambda: all_in_state(pg_url, [busy], "running"), 30,
                        "the gated task to hold the pool process", (w,))
             contract.complete(store, "elsewhere@test", elsewhere)  # the permit frees...
 
@@ -697,17 +697,17 @@ def test_a_reconnect_never_leaves_later_waiters_stuck(
                 stats = client.control.inspect(timeout=2, destination=[name]).stats() or {}
                 return stats[name]["pulse"]["permits"]["awaiting_process"] if stats else None
             # ... the limited task's turn comes, and waits in the semaphore for the process
-            wait_with_workers(lambda: awaiting() == 1, 30, "the limited task to wait for a process",
+            wait_alive(lambda: awaiting() == 1, 30, "the limited task to wait for a process",
                        (w,), interval=0.3)
         first_epoch = claim_rows(pg_url, [limited])[limited].epoch
         elsewhere = hold_permit(store, Permit(key, 1))  # so the re-dispatched one waits again
         cut_vhost_connections(broker, "pulse test: reconnect")
-        wait_with_workers(lambda: claim_rows(pg_url, [limited])[limited].epoch > first_epoch
+        wait_alive(lambda: claim_rows(pg_url, [limited])[limited].epoch > first_epoch
                    and (u := usage(store, key)) is not None and u.waiting == 1, 30,
                    "the released task to be re-dispatched and wait again", (w,))
         contract.complete(store, "elsewhere@test", elsewhere)
         (gates / "all").touch()
-        wait_with_workers(lambda: all_in_state(pg_url, [limited, busy], "succeeded"), 30,
+        wait_alive(lambda: all_in_state(pg_url, [limited, busy], "succeeded"), 30,
                    "the limited task to run once the permit is free", (w,))
         assert [r.task_id for r in runs(journal, LIMITED)] == [limited]  # ran once
         assert usage(store, key) == PermitUsage(key, 1, 0, 0)

@@ -18,7 +18,7 @@ from celery_pulse.testing import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["ROOT", "Env", "Worker", "assert_alive", "wait_for", "wait_with_workers"]
+__all__ = ["ROOT", "Env", "Worker", "assert_alive", "wait_alive", "wait_for"]
 
 
 
@@ -132,9 +132,10 @@ def assert_alive(*ws: Worker) -> None:
                                  f"{w.log()[-4000:]}")
 
 
-def wait_with_workers(predicate: Callable[[], Any], timeout: float, what: str,
-                      ws: tuple[Worker, ...], interval: float = 0.05) -> Any:
-    """``wait_for`` that fails at once if a worker died, and shows the workers' logs."""
+def wait_alive(predicate: Callable[[], Any], timeout: float, what: str,
+               ws: tuple[Worker, ...], interval: float = 0.05) -> Any:
+    """``wait_for`` while the workers ``ws`` live: it fails at once if one died, and shows
+    the workers' logs."""
     def check() -> Any:
         assert_alive(*ws)
         return predicate()
