@@ -10,8 +10,8 @@ from celery import __version__ as celery_version
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from celery_pulse.bootsteps.runtime import EXIT_IDENTITY_LOST
 from celery_pulse.registry import Membership
+from celery_pulse.worker.exit_codes import EXIT_IDENTITY_LOST
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _keep_reservations_across_reconnects(c: Any, pulse: Any, pool: Any) -> None:
 
     def on_close() -> None:
         original()  # clears the worker's semaphore, and what waited in it
-        pulse.release_unstarted("broker connection lost")
+        pulse.exits.connection_lost("broker connection lost")
         pool.semaphore_cleared("broker connection lost while it waited for a pool process")
 
     c.on_close = on_close

@@ -1,127 +1,27 @@
-"""Celery schedules -> beat :class:`~celery_pulse.beat.Entry` objects.
-
-Static entries come from ``app.conf.beat_schedule``; dynamic ones from the
-``pulse_schedule`` table (``celery pulse schedule add``). Any Celery schedule
-(``schedule``, ``crontab``, ``solar``) works: its own arithmetic decides the next
-due time, evaluated with "now" pinned to the previous due time, so every leader
-computes the same slot from the same ``last_run_at``.
+"""Import shim: beat's Celery schedules moved to :mod:`celery_pulse.worker.schedules`.
+This path keeps its old names; ``celery_pulse.bootsteps`` holds only the worker's steps.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-from datetime import datetime, timedelta, timezone
-from typing import Any
+from celery_pulse.worker.schedules import (
+    MIN_PERIOD,
+    SCHEDULE_KINDS,
+    EntrySource,
+    dynamic_entries,
+    next_due_function,
+    publisher,
+    schedule_from_row,
+    static_entries,
+)
 
-from celery import schedules
-
-from celery_pulse.beat import Entry
-from celery_pulse.errors import InvalidConfig
-from celery_pulse.store.base import ScheduleRow, Slot
-
-logger = logging.getLogger(__name__)
-
-SCHEDULE_KINDS = ("interval", "crontab")
-#: Due times are stored to the millisecond: the shortest period that still advances.
-MIN_PERIOD = 0.001
-
-
-def next_due_function(schedule: Any) -> Any:
-    def next_due(after: float) -> float:
-        if isinstance(schedule, schedules.schedule) and not isinstance(
-                schedule, (schedules.crontab, schedules.solar)) and not schedule.relative:
-            # Due times are kept to the millisecond: never round back onto ``after``.
-            return float(round(after + max(schedule.run_every.total_seconds(), MIN_PERIOD), 3))
-        after_dt = datetime.fromtimestamp(after, tz=timezone.utc)
-        saved = schedule.nowfun
-        schedule.nowfun = lambda: after_dt
-        try:
-            remaining = schedule.remaining_estimate(after_dt)
-        finally:
-            schedule.nowfun = saved
-        if remaining <= timedelta(0):  # never return a time at or before ``after``
-            remaining = timedelta(seconds=1)
-        return float(round(after + remaining.total_seconds(), 3))
-    return next_due
-
-
-def _as_schedule(value: Any) -> Any:
-    if isinstance(value, (int, float)):
-        return schedules.schedule(timedelta(seconds=value))
-    if isinstance(value, timedelta):
-        return schedules.schedule(value)
-    return value
-
-
-def _payload(args: Any, kwargs: Any, options: Any) -> str:
-    return json.dumps({"args": list(args or ()), "kwargs": dict(kwargs or {}),
-                       "options": dict(options or {})}, sort_keys=True, default=str)
-
-
-def static_entries(app: Any) -> list[Entry]:
-    out = []
-    for name, spec in (app.conf.beat_schedule or {}).items():
-        schedule = _as_schedule(spec["schedule"])
-        out.append(Entry(name, spec["task"], _payload(spec.get("args"), spec.get("kwargs"),
-                                                      spec.get("options")),
-                         next_due_function(schedule)))
-    return out
-
-
-def schedule_from_row(kind: str, spec: dict[str, Any]) -> Any:
-    """Build (and so validate) a dynamic entry's schedule."""
-    if kind == "interval":
-        every = float(spec["every"])
-        if not math.isfinite(every) or every < MIN_PERIOD:
-            raise InvalidConfig(f"interval schedule: 'every' must be a finite number of "
-                                f"seconds >= {MIN_PERIOD:g}, got {every!r}")
-        return schedules.schedule(timedelta(seconds=every))
-    if kind == "crontab":
-        return schedules.crontab(**spec)
-    raise InvalidConfig(f"unknown schedule kind {kind!r}; use one of {SCHEDULE_KINDS}")
-
-
-def dynamic_entries(rows: list[ScheduleRow]) -> list[Entry]:
-    out = []
-    for row in rows:
-        if not row.enabled:
-            continue
-        try:
-            schedule = schedule_from_row(row.kind, json.loads(row.spec))
-            payload = _payload(json.loads(row.args), json.loads(row.kwargs),
-                               json.loads(row.options))
-        except Exception as exc:  # a bad row never takes the scheduler down
-            logger.error("pulse: skipping malformed schedule entry %r: %s", row.name, exc)
-            continue
-        out.append(Entry(row.name, row.task, payload, next_due_function(schedule)))
-    return out
-
-
-class EntrySource:
-    """Static + dynamic entries; dynamic ones re-read on every call (one query)."""
-
-    def __init__(self, app: Any, store: Any) -> None:
-        self.static = static_entries(app)
-        self.store = store
-
-    def __call__(self) -> list[Entry]:
-        names = {e.name for e in self.static}
-        dynamic = [e for e in dynamic_entries(self.store.list_schedule()) if e.name not in names]
-        return self.static + dynamic
-
-
-def publisher(app: Any) -> Any:
-    """Publish a slot under its own task id and publication: a slot re-published by the
-    next leader (its first publish not marked) is a duplicate of the first, not a new run."""
-    from celery_pulse.bootsteps.intake import FIXED_PUBLICATION_HEADER
-
-    def publish(slot: Slot) -> None:
-        spec = json.loads(slot.payload)
-        options = dict(spec["options"])
-        options["headers"] = {**(options.get("headers") or {}),
-                              FIXED_PUBLICATION_HEADER: f"slot:{slot.task_id}"[:64]}
-        app.send_task(slot.task, args=spec["args"], kwargs=spec["kwargs"], task_id=slot.task_id,
-                      **options)
-    return publish
+__all__ = [
+    "MIN_PERIOD",
+    "SCHEDULE_KINDS",
+    "EntrySource",
+    "dynamic_entries",
+    "next_due_function",
+    "publisher",
+    "schedule_from_row",
+    "static_entries",
+]

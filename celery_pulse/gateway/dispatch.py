@@ -30,10 +30,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from celery_pulse.bootsteps.intake import capture, policy_for, publication_of
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway.frames import new_id
 from celery_pulse.gateway.session import Attempt
+from celery_pulse.messages import capture, policy_for, publication_of
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,

@@ -9,13 +9,15 @@ for (bound to the request by the intake, never looked up by task id) and wraps t
 callbacks. The job goes to the pool with the lease in the request dict (the child
 reads it) once the claim is ``running``: mostly it already is (the start was folded
 into the reservation, or made ahead of the pool, see
-:mod:`~celery_pulse.bootsteps.ahead`); else the start goes out in the next group
+:mod:`~celery_pulse.worker.ahead`); else the start goes out in the next group
 commit. Children touch the store only through ``lease.fenced``.
 
 The result callbacks run Celery's own first (it may reject or requeue the request,
-see :class:`~celery_pulse.bootsteps.intake.CeleryVerdict`), then end the claim:
+see :class:`~celery_pulse.worker.verdict.CeleryVerdict`), then report the attempt's
+end to the worker's exits (:mod:`celery_pulse.worker.exits`), which end the claim:
 succeeded, failed, retry, revoked (a revoke that terminated it) or requeued. A lost
 claim's attempt is stale: it ends nothing and writes nothing to the result backend.
+What the pool needs of the worker is :class:`~celery_pulse.worker.ports.WorkerForPool`.
 """
 
 from __future__ import annotations
@@ -26,16 +28,14 @@ import time
 import weakref
 from typing import Any
 
-from billiard.exceptions import Terminated
 from celery.concurrency import prefork
-from celery.exceptions import Ignore, Retry
-from celery.worker import state as worker_state
 
-from celery_pulse.bootsteps.intake import bound_claim
-from celery_pulse.errors import LeaseLost, PulseError
+from celery_pulse.errors import PulseError
 from celery_pulse.leases import LOST, RUNNING, WAITING, LocalClaim
 from celery_pulse.pool import child
-from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED, ResultRecord
+from celery_pulse.store.base import LeaseKey, ResultRecord
+from celery_pulse.worker.ports import WorkerForPool
+from celery_pulse.worker.verdict import bound_claim
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +68,32 @@ class TaskPool(prefork.TaskPool):
     """Prefork pool that runs each leased task under its lease."""
 
     #: Set by the registry step once the worker's pulse services exist.
-    pulse: Any = None
+    pulse: WorkerForPool | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: Retried starts queued in Celery's semaphore for a pool process.
-        self._awaiting_process: dict[tuple[str, int, str],
+        self._awaiting_process: dict[LeaseKey,
                                      tuple[LocalClaim, tuple[Any, Any, Any, dict[str, Any]]]] = {}
+
+    @property
+    def service(self) -> WorkerForPool:
+        """The worker service (bound by the registry step before any leased job)."""
+        pulse = self.pulse
+        if pulse is None:
+            raise RuntimeError("pulse: a leased job reached the pool before its worker")
+        return pulse
 
     def apply_async(self, target: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         pulse = self.pulse
         callback = options.get("callback")
         request = getattr(callback, "__self__", None)
         claim = bound_claim(request) if pulse is not None else None
-        if claim is None or not args or not isinstance(args[2], dict):
+        if pulse is None or claim is None or not args or not isinstance(args[2], dict):
             return super().apply_async(target, args, kwargs, **options)
         claim.applied = True
         if claim.state == LOST or not pulse.keeper.is_live(claim):
-            self._drop(claim, request, "lease lost before the task started")
+            pulse.exits.not_run(claim, request, "lease lost before the task started")
             self._release_permit()
             return None
         claim.request = request
@@ -103,7 +111,7 @@ class TaskPool(prefork.TaskPool):
             return self._started(claim, job, True, start_in_child=True)
         if claim.state == RUNNING and not claim.in_pool:
             # Started already: folded into its reservation, or ahead of the pool
-            # (:mod:`celery_pulse.bootsteps.ahead`).
+            # (:mod:`celery_pulse.worker.ahead`).
             return self._started(claim, job, True)
         if claim.starting:
             claim.waiting_job = job  # its start ahead answers (``hand_over``)
@@ -119,41 +127,42 @@ class TaskPool(prefork.TaskPool):
 
     def _submit_start(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]]) -> None:
         """Queue the start; its outcome comes back to ``_started`` on the loop."""
-        self.pulse.keeper.submit_start(claim, lambda result: self.pulse.loop.call(
+        self.service.keeper.submit_start(claim, lambda result: self.service.loop.call(
             self._started, claim, job, result))
 
     def _started(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]],
                  result: bool | str | PulseError, start_in_child: bool = False) -> Any:
         """On the loop: hand the job to a pool process, or drop it if the start failed."""
+        service = self.service
         target, args, kwargs, options = job
-        if isinstance(result, PulseError) and self.pulse.keeper.is_live(claim):
+        if isinstance(result, PulseError) and service.keeper.is_live(claim):
             claim.start_failures += 1
             delay = min(START_RETRY * 2 ** (claim.start_failures - 1), MAX_START_RETRY)
             logger.warning("pulse: starting task %s failed, retrying in %gs: %s", claim.task_id,
                            delay, result)
             self._release_permit()  # a pool process is not kept waiting for the store
-            self.pulse.loop.later_kept(delay, self._retry_start, claim, job)
+            service.loop.later_kept(delay, self._retry_start, claim, job)
             return None
         claim.start_failures = 0
         if result == WAITING:
             # No free concurrency permit: the process goes back to other work, the task
             # waits (reserved, renewed) until one frees.
             self._release_permit()
-            self.pulse.waits.settled(claim, job, "waiting")
-            self.pulse.admit_waiting()
+            service.waits.settled(claim, job, "waiting")
+            service.admit_waiting()
             return None
-        if result is True and (claim.state == LOST or not self.pulse.keeper.is_live(claim)):
+        if result is True and (claim.state == LOST or not service.keeper.is_live(claim)):
             result = False  # lost between the start's commit and now: never hand it over
         if claim.permits:
-            self.pulse.waits.settled(claim, job, "started" if result is True else "gone")
+            service.waits.settled(claim, job, "started" if result is True else "gone")
         if result is not True:
             why = ("the store refused the start, or the lease was lost" if result is False
                    else f"the store could not be reached to start it: {result}")
-            self._drop(claim, claim.request, why)
+            service.exits.not_run(claim, claim.request, why)
             self._release_permit()
             return None
         task_id = claim.task_id
-        claim.slot = self.pulse.table.assign(task_id, claim.deadline)
+        claim.slot = service.table.assign(task_id, claim.deadline)
         args[2]["pulse"] = {"task_id": task_id, "epoch": claim.epoch, "token": claim.token,
                             "slot": claim.slot, "deadline": claim.deadline,
                             "start_in_child": start_in_child}
@@ -165,12 +174,12 @@ class TaskPool(prefork.TaskPool):
         if applied is not None:
             claim.dropped_by_pool = functools.partial(_dropped_unwritten, applied)
             self._write_now()
-        self.pulse.keeper.handed(claim)
+        service.keeper.handed(claim)
         claim.handed_at = time.monotonic()
-        self.pulse.ahead.left(claim)
+        service.ahead.left(claim)
         if claim.request is not None and applied is not None:
             claim.request._apply_result = weakref.ref(applied)  # what Request.terminate uses
-        self.pulse.admit_waiting()
+        service.admit_waiting()
         return applied
 
     def _write_now(self) -> None:
@@ -186,7 +195,7 @@ class TaskPool(prefork.TaskPool):
         is left to the loop, as always. On a pool without these parts nothing changes.
         """
         pool = self._pool
-        hub = self.pulse.loop.hub
+        hub = self.service.loop.hub
         schedule = getattr(hub, "consolidate_callback", None)
         if schedule is None or not getattr(pool, "outbound_buffer", None):
             return
@@ -205,19 +214,20 @@ class TaskPool(prefork.TaskPool):
     def _retry_start(self, claim: LocalClaim, job: tuple[Any, Any, Any, dict[str, Any]]) -> None:
         """Ask for the start again (after a store error, or when a permit may be free):
         with a pool process, which Celery's semaphore gives when one is free."""
-        if claim.state == LOST or not self.pulse.keeper.is_live(claim):
+        service = self.service
+        if claim.state == LOST or not service.keeper.is_live(claim):
             self._abandon(claim, job, "lease lost before the task started")
             return
         request = claim.request
         if request is not None and request.revoked():  # Celery marked it revoked/expired
             if claim.permits:
-                self.pulse.waits.settled(claim, job, "gone")
-            self.pulse.complete(claim, REVOKED, "revoked or expired before it ran")
+                service.waits.settled(claim, job, "gone")
+            service.exits.revoked_while_waiting(claim)
             return
-        if self.pulse.stopping:
+        if service.stopping:
             return  # never started: released at shutdown
-        if self.pulse.loop.hub is None:
-            self._started(claim, job, self.pulse.keeper.start_now(claim))
+        if service.loop.hub is None:
+            self._started(claim, job, service.keeper.start_now(claim))
             return
         semaphore = self.options.get("semaphore")
         if semaphore is None:
@@ -252,24 +262,25 @@ class TaskPool(prefork.TaskPool):
                  why: str) -> None:
         """Drop a job that holds no pool process (it waits for a retry or a permit)."""
         if claim.permits:
-            self.pulse.waits.settled(claim, job, "gone")
-        self._drop(claim, claim.request, why)
+            self.service.waits.settled(claim, job, "gone")
+        self.service.exits.not_run(claim, claim.request, why)
 
     # -- callbacks (run on the consumer loop) ---------------------------------------------
     def _on_accepted(self, claim: LocalClaim, original: Any) -> Any:
         def accepted(pid: int, time_accepted: float) -> Any:
             claim.pid = pid
             if claim.state == LOST:  # lost while waiting for a child: cancel right away
-                self.pulse.on_lost(claim)
-            elif self.pulse.keeper.mark_running(claim):  # the child starts it (no hub)
-                self.pulse.admit_waiting()
+                self.service.on_lost(claim)
+            elif self.service.keeper.mark_running(claim):  # the child starts it (no hub)
+                self.service.admit_waiting()
             return original(pid, time_accepted) if original else None
         return accepted
 
     def _on_result(self, claim: LocalClaim, original: Any) -> Any:
         def on_result(result: Any) -> Any:
             if isinstance(result, tuple) and len(result) == 2 and result[0] == child.REFUSED:
-                self._drop(claim, claim.request, "the lease was lost before the body started")
+                self.service.exits.not_run(claim, claim.request,
+                                           "the lease was lost before the body started")
                 return None
             if isinstance(result, tuple) and len(result) == 4 and result[0] == child.RECORDED:
                 # Written (and a chord part counted) with the completion.
@@ -285,17 +296,8 @@ class TaskPool(prefork.TaskPool):
     def _on_error(self, claim: LocalClaim, original: Any) -> Any:
         def on_error(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
             if claim.hard_stopped or claim.state == LOST:
-                # A stale attempt (hard-stopped, or killed after its lease was lost): it
-                # must not write WorkerLostError to the result backend, nor count a chord
-                # part; the attempt that holds the lease now writes the outcome.
-                self._forget(claim)
-                request = claim.request
-                if request is not None:
-                    worker_state.task_ready(request)
-                    # Flower still sees the attempt end (an event, not a result).
-                    request.send_event("task-failed", exception=repr(LeaseLost(
-                        f"lease lost for task {claim.task_id} epoch {claim.epoch}: "
-                        f"hard-stopped ({claim.lost_reason})")))
+                # A stale attempt: it writes nothing (its lease's holder now does).
+                self.service.exits.lost_attempt_stopped(claim)
                 return None
             try:
                 return original(exc_info, *args, **kwargs) if original else None
@@ -304,48 +306,16 @@ class TaskPool(prefork.TaskPool):
         return on_error
 
     def _end(self, claim: LocalClaim, exc: Any, failed: bool) -> None:
-        """End the claim by what the attempt did and what Celery decided (its verdict)."""
-        request = claim.request
+        """The attempt ended: its run time counts, and the worker's exits end the claim."""
+        service = self.service
         if claim.handed_at:
-            self.pulse.ahead.ran(time.monotonic() - claim.handed_at)
-        if claim.state == LOST or isinstance(exc, LeaseLost):
-            self._forget(claim)  # the store decides; nothing to record as ours
-        elif claim.verdict == "requeue":
-            self._free_slot(claim)
-            self.pulse.requeue(claim)
-        elif not failed:
-            self._finish(claim, SUCCEEDED, None)
-        elif isinstance(exc, Retry):
-            self._finish(claim, RETRY, None)
-        elif getattr(request, "_already_revoked", False) or isinstance(exc, Terminated):
-            self._finish(claim, REVOKED, "revoked and terminated")
-        elif isinstance(exc, Ignore):
-            self._finish(claim, SUCCEEDED, "ignored")
-        else:
-            self._finish(claim, FAILED, repr(exc)[:1000])
-
-    def _finish(self, claim: LocalClaim, outcome: str, error: str | None) -> None:
-        self._free_slot(claim)
-        self.pulse.complete(claim, outcome, error)
-
-    def _forget(self, claim: LocalClaim) -> None:
-        self._free_slot(claim)
-        self.pulse.keeper.forget(claim)
-        self.pulse.ahead.left(claim)
-        self.pulse.claim_ended(claim.task_id)
-        self.pulse.admit_waiting()
+            service.ahead.ran(time.monotonic() - claim.handed_at)
+        service.exits.ran(claim, exc, failed)
 
     def _free_slot(self, claim: LocalClaim) -> None:
         if claim.slot is not None:
-            self.pulse.table.free(claim.slot)
+            self.service.table.free(claim.slot)
             claim.slot = None
-
-    def _drop(self, claim: LocalClaim, request: Any, why: str) -> None:
-        logger.warning("pulse: task %s epoch %d dropped, not run: %s", claim.task_id,
-                       claim.epoch, why)
-        self._forget(claim)
-        if request is not None:
-            worker_state.task_ready(request)
 
     def _release_permit(self) -> None:
         """Give back the pool permit of a job that was never submitted.

@@ -13,6 +13,7 @@ from typing import Any
 
 from celery_pulse.install import NOT_INSTALLED, installed
 from celery_pulse.pool import prefork
+from celery_pulse.worker.exit_codes import EXIT_CONFIG
 
 
 class TaskPool(prefork.TaskPool):
@@ -28,8 +29,6 @@ class TaskPool(prefork.TaskPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs.get("app")
         if app is not None and not installed(app):
-            from celery_pulse.bootsteps.runtime import EXIT_CONFIG
-
             # Logging may not be set up yet: one plain line, no traceback.
             print(f"celery-pulse: cannot start: {NOT_INSTALLED}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_CONFIG)

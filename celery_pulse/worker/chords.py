@@ -15,7 +15,8 @@ import queue
 import threading
 from typing import Any
 
-logger = logging.getLogger(__name__)
+# Logger name kept from before the move (operators' logging configurations name it).
+logger = logging.getLogger("celery_pulse.bootsteps.chords")
 
 #: How long a whole count may wait for its callback before the leader publishes it: far
 #: more than the counting worker takes (it publishes right after the commit).

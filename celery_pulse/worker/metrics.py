@@ -6,7 +6,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-logger = logging.getLogger(__name__)
+# Logger name kept from before the move (operators' logging configurations name it).
+logger = logging.getLogger("celery_pulse.bootsteps.metrics")
 
 
 def serve(port: int, info: Callable[[], dict[str, Any]]) -> bool:

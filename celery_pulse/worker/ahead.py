@@ -1,0 +1,135 @@
+"""Starts authorised ahead of the pool, so that a pool process never waits for one.
+
+Under load Celery queues requests for the next free pool process (its semaphore) and
+hands each one over the moment a process frees. A start authorised only then costs that
+process a round trip to the store on every task. Instead:
+
+* a delivery that a free process is waiting for is reserved as ``running`` at once (its
+  start folded into the reservation);
+* the next requests in line are started ahead, in the hot path's batches: when a
+  process frees, its next job is already ``running``.
+
+Only while this worker's jobs are short, and only as many as its processes get through
+in :data:`WINDOW`: a job started ahead waits for a process, and a worker killed
+meanwhile leaves it ``running`` in the store though it never ran (Recover then reviews
+or re-dispatches it by the task's policy; it never runs twice). With longer jobs a start
+waits for its process: its round trip is small next to the job.
+
+Everything here runs on the consumer's event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
+from celery_pulse.worker.loop import LoopCaller
+
+#: Seconds: how long a job started ahead may expect to wait for its process. Starts go
+#: ahead of the pool only while jobs are shorter than this, and only as many as fit in
+#: it (at least one per process: the store's round trip is then off the pool's path).
+WINDOW = 0.02
+#: Never more starts ahead than this, however short the jobs.
+MAX_AHEAD = 64
+#: Weight of the newest run time in the running mean.
+ALPHA = 0.2
+
+
+class StartAhead:
+    """The requests waiting for a pool process, in Celery's order, and starts ahead."""
+
+    def __init__(self, keeper: LeaseKeeper, loop: Callable[[], LoopCaller], concurrency: int,
+                 hand_over: Callable[[LocalClaim, Any, Any], Any]) -> None:
+        self.keeper = keeper
+        self._loop = loop
+        self.concurrency = max(1, concurrency)
+        #: ``hand_over(claim, job, result)``: the pool's answer to a start it waited for.
+        self.hand_over = hand_over
+        #: Reserved claims handed to Celery and not yet to the pool, in arrival order.
+        self.queued: collections.deque[LocalClaim] = collections.deque()
+        #: Claims started (or starting) ahead that are not in the pool yet.
+        self.ahead: set[LocalClaim] = set()
+        #: Reservations in flight that asked to be granted as running.
+        self.folding = 0
+        #: Running mean of job run times (seconds); None until one job has run.
+        self.runtime: float | None = None
+
+    @property
+    def short(self) -> bool:
+        return self.runtime is not None and self.runtime < WINDOW
+
+    def _budget(self) -> int:
+        """How many more starts may go ahead of the pool now.
+
+        As many as the processes get through in :data:`WINDOW` at the mean run time: a
+        start takes a round trip to the store, and the processes must not run dry
+        meanwhile.
+        """
+        if self.runtime is None or not self.short:
+            return 0
+        self.ahead = {c for c in self.ahead if c.state != LOST and not c.in_pool
+                      and self.keeper.get(c.task_id) is c}
+        fit = int(WINDOW / max(self.runtime, 1e-4)) * self.concurrency
+        return min(max(fit, self.concurrency), MAX_AHEAD) - len(self.ahead) - self.folding
+
+    def fold(self, free_process: bool) -> bool:
+        """Whether a new delivery is reserved as running (its start folded in): a free
+        process waits for it, or it is next in line and within the budget."""
+        start = free_process or (not self.queued and self._budget() > 0)
+        self.folding += start
+        return start
+
+    def settled(self, claim: LocalClaim | None, folded: bool, may_wait: bool) -> None:
+        """A reservation came back and Celery has the request (``claim`` None: refused).
+
+        ``may_wait``: the request waits for a process in Celery's order (not an ETA, not
+        rate limited), so it may be started ahead.
+        """
+        self.folding -= folded
+        if claim is None or claim.applied or not may_wait:
+            return
+        if claim.state == RUNNING:
+            self.ahead.add(claim)  # folded, but every process was taken meanwhile
+        elif claim.state == RESERVED and self.short:
+            self.queued.append(claim)
+            self.pump()
+
+    def pump(self) -> None:
+        """Start the next requests in line while the budget allows."""
+        budget = self._budget() if self.queued else 0
+        while budget > 0 and self.queued:
+            claim = self.queued.popleft()
+            if (claim.state != RESERVED or claim.applied or claim.starting
+                    or self.keeper.get(claim.task_id) is not claim):
+                continue  # gone to the pool, started, ended or lost meanwhile
+            self.ahead.add(claim)
+            claim.starting = True
+            budget -= 1
+            self.keeper.submit_start(claim, self._answer_to(claim), urgent=False)
+        if len(self.queued) > 4 * self.concurrency and not self.short:
+            self.queued.clear()  # jobs got long: they start when their process is free
+
+    def _answer_to(self, claim: LocalClaim) -> Callable[[Any], None]:
+        def answer(result: Any) -> None:  # on the commit thread or the loop
+            self._loop().call(self._answered, claim, result)
+        return answer
+
+    def _answered(self, claim: LocalClaim, result: Any) -> None:
+        claim.starting = False
+        job, claim.waiting_job = claim.waiting_job, None
+        if job is not None:
+            self.hand_over(claim, job, result)  # its process is waiting for it
+        elif result is not True:
+            self.ahead.discard(claim)  # not started: it starts when its process is free
+        self.pump()
+
+    def left(self, claim: LocalClaim) -> None:
+        """The claim went to the pool or ended: room for the next start ahead."""
+        self.ahead.discard(claim)
+        self.pump()
+
+    def ran(self, seconds: float) -> None:
+        self.runtime = seconds if self.runtime is None else (
+            self.runtime + ALPHA * (seconds - self.runtime))

@@ -1,0 +1,111 @@
+"""Cluster-wide concurrency limits, declared the Celery way: which permits a request needs.
+
+Declared by a task option (``@app.task(pulse_concurrency=5)``), partitioned by
+``pulse_concurrency_key=lambda args, kwargs: ...`` (each value gets its own permits),
+or by the ``pulse_concurrency_limits`` setting, which names tasks and queues
+(``"queue:<routing key>"``) and overrides the option. The store takes a task's permits
+in the statement that starts it (never at reservation: a prefetched task holds none)
+and gives them back with whatever ends that start. A task whose start finds no free
+permit waits in :mod:`celery_pulse.worker.permit_waits`; other workers hear of freed
+permits through :mod:`celery_pulse.worker.permit_signals`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Task
+
+from celery_pulse.errors import InvalidConfig
+from celery_pulse.settings import concurrency_limit
+from celery_pulse.store.base import Permit
+
+# Logger name kept from before the move (operators' logging configurations name it).
+logger = logging.getLogger("celery_pulse.bootsteps.permits")
+
+#: Longest permit key kept as is (the store's column is 255 characters).
+MAX_KEY = 200
+QUEUE_PREFIX = "queue:"
+
+
+def _keyer(task: Any) -> Any:
+    """The task's ``pulse_concurrency_key`` as declared: Celery makes task options class
+    attributes, so a plain function comes back bound to the task."""
+    keyer = getattr(task, "pulse_concurrency_key", None)
+    if inspect.ismethod(keyer) and isinstance(keyer.__self__, Task):
+        return keyer.__func__
+    return keyer
+
+
+def _key(text: str) -> str:
+    if len(text) <= MAX_KEY:
+        return text
+    return f"{text[:MAX_KEY - 17]}#{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+
+class PermitRules:
+    """Which permits a request needs, from the setting and the tasks' options."""
+
+    def __init__(self, limits: Mapping[str, int]) -> None:
+        self.tasks = {k: v for k, v in limits.items() if not k.startswith(QUEUE_PREFIX)}
+        self.queues = {k[len(QUEUE_PREFIX):]: v for k, v in limits.items()
+                       if k.startswith(QUEUE_PREFIX)}
+        #: Some limit is declared (by the setting or a task's option).
+        self.declared = bool(limits)
+
+    @classmethod
+    def for_app(cls, app: Any, limits: Mapping[str, int]) -> PermitRules:
+        """Check every registered task's options now: a bad one fails the worker's start."""
+        rules = cls(limits)
+        for name, task in sorted(app.tasks.items()):
+            rules.check(name, task)
+        return rules
+
+    def check(self, name: str, task: Any) -> None:
+        option = getattr(task, "pulse_concurrency", None)
+        if option is not None:
+            concurrency_limit(f"pulse_concurrency of task {name}", option, "pulse_concurrency")
+            self.declared = True
+        keyer = _keyer(task)
+        if keyer is not None:
+            if not callable(keyer):
+                raise InvalidConfig(f"pulse_concurrency_key of task {name}: expected a callable "
+                                    f"(args, kwargs) -> key, got {keyer!r}",
+                                    setting="pulse_concurrency_key")
+            if option is None and name not in self.tasks:
+                raise InvalidConfig(f"pulse_concurrency_key of task {name}: partitions a limit, "
+                                    f"but the task has none (set pulse_concurrency)",
+                                    setting="pulse_concurrency_key")
+
+    def _task_limit(self, task: Any) -> int | None:
+        limit = self.tasks.get(task.name)
+        return limit if limit is not None else getattr(task, "pulse_concurrency", None)
+
+    def limited(self, task: Any, routing_key: str | None) -> bool:
+        """Whether deliveries of ``task`` (by this routing key) may need a permit."""
+        return self._task_limit(task) is not None or (
+            routing_key is not None and routing_key in self.queues)
+
+    def needs(self, task: Any, args: Any, kwargs: Any, routing_key: str | None
+              ) -> tuple[Permit, ...]:
+        """The permits one request of ``task`` needs to start."""
+        out: list[Permit] = []
+        limit = self._task_limit(task)
+        if limit is not None:
+            key = f"task:{task.name}"
+            keyer = _keyer(task)
+            if keyer is not None:
+                try:
+                    key = f"{key}[{keyer(args or (), kwargs or {})}]"
+                except Exception:
+                    # Conservative: the whole kind's limit, never none (and never lost).
+                    logger.exception("pulse: pulse_concurrency_key of %s failed: the task "
+                                     "waits for the unpartitioned limit instead", task.name)
+            out.append(Permit(_key(key), limit))
+        if routing_key is not None and routing_key in self.queues:
+            out.append(Permit(_key(QUEUE_PREFIX + routing_key), self.queues[routing_key]))
+        return tuple(out)
