@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_pulse.bootsteps.loop import STALE, LoopCaller
+from tests.helpers.clock import FakeClock
 
 
 class Hub:
@@ -26,17 +27,9 @@ class Hub:
         self.ready = []
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_calls_run_on_the_hub_in_order_with_one_drain() -> None:
     hub, seen = Hub(), []
-    caller = LoopCaller(hub, Clock())
+    caller = LoopCaller(hub, FakeClock(100.0))
     for i in range(3):
         caller.call(seen.append, i)
     assert seen == [] and len(hub.ready) == 1
@@ -45,7 +38,7 @@ def test_calls_run_on_the_hub_in_order_with_one_drain() -> None:
 
 
 def test_a_drain_the_hub_lost_is_scheduled_again_once_stale() -> None:
-    hub, clock, seen = Hub(), Clock(), []
+    hub, clock, seen = Hub(), FakeClock(100.0), []
     caller = LoopCaller(hub, clock)
     caller.call(seen.append, 1)
     hub.lose()  # a broker error in the same loop turn
@@ -60,7 +53,7 @@ def test_a_drain_the_hub_lost_is_scheduled_again_once_stale() -> None:
 
 def test_rearm_after_a_reconnect_runs_what_was_queued() -> None:
     hub, seen = Hub(), []
-    caller = LoopCaller(hub, Clock())
+    caller = LoopCaller(hub, FakeClock(100.0))
     caller.call(seen.append, 1)
     hub.lose()
     caller.rearm()
@@ -95,7 +88,7 @@ class TimerHub(Hub):
 
 
 def test_a_kept_timer_cleared_by_a_reconnect_runs_once_after_rearm() -> None:
-    hub, clock, seen = TimerHub(), Clock(), []
+    hub, clock, seen = TimerHub(), FakeClock(100.0), []
     caller = LoopCaller(hub, clock)
     caller.later_kept(1.0, seen.append, "retry")
     caller.later(1.0, seen.append, "plain")
@@ -111,7 +104,7 @@ def test_a_kept_timer_cleared_by_a_reconnect_runs_once_after_rearm() -> None:
 
 
 def test_a_kept_timer_that_survived_the_reconnect_still_runs_once() -> None:
-    hub, clock, seen = TimerHub(), Clock(), []
+    hub, clock, seen = TimerHub(), FakeClock(100.0), []
     caller = LoopCaller(hub, clock)
     caller.later_kept(1.0, seen.append, "retry")
     hub.run()
