@@ -1,0 +1,111 @@
+"""The table of exits (docs/concepts/leases.md) maps to one function each: how Celery ended
+a request decides how its claim ends (``celery_pulse.worker.exits.RequestEnds``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from billiard.exceptions import Terminated
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_pulse.errors import LeaseLost
+from celery_pulse.leases import LOST, LocalClaim
+from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
+from celery_pulse.worker.exits import RequestEnds
+
+
+class _Worker:
+    """What the exits touch, recording what they did."""
+
+    def __init__(self) -> None:
+        self.done: list[tuple[Any, ...]] = []
+        self.keeper = SimpleNamespace(
+            forget=lambda claim: self.done.append(("forget", claim.task_id)),
+            submit_complete=lambda claim, outcome, error, callback: self.done.append(
+                ("complete", claim.task_id, outcome, error)),
+            release_unstarted=lambda why: 0)
+        self.ahead = SimpleNamespace(left=lambda claim: None)
+        self.loop = SimpleNamespace(call=lambda fn, *args: fn(*args))
+        self.waits = SimpleNamespace(freed=lambda keys: None)
+        self.signals = SimpleNamespace(announce=lambda permits: None)
+        self.table = SimpleNamespace(free=lambda slot: self.done.append(("free", slot)))
+        self.chords = None
+        self.recoverer = SimpleNamespace(
+            requeue=lambda key: self.done.append(("requeue", key[0])))
+        self.remote = False
+
+    def claim_ended(self, task_id: str) -> None:
+        pass
+
+    def forget_deliveries(self) -> int:
+        return 0
+
+    def admit_waiting(self) -> None:
+        pass
+
+
+def _ends() -> tuple[RequestEnds, _Worker]:
+    worker = _Worker()
+    return RequestEnds(worker), worker  # type: ignore[arg-type]
+
+
+def _claim(applied: bool = True) -> LocalClaim:
+    claim = LocalClaim("t-1", 1, "token", deadline=1e12, slot=3 if applied else None)
+    claim.applied = applied
+    return claim
+
+
+@pytest.mark.parametrize(("exc", "failed", "outcome", "error"), [
+    (None, False, SUCCEEDED, None),
+    (Retry(), True, RETRY, None),
+    (Terminated(9), True, REVOKED, "revoked and terminated"),
+    (Ignore(), True, SUCCEEDED, "ignored"),
+    (ValueError("boom"), True, FAILED, "ValueError('boom')"),
+    (Reject("no", requeue=False), True, FAILED, "reject requeue=False: no"),
+])
+def test_the_pools_result_ends_the_claim_by_what_the_attempt_did(
+        exc: BaseException | None, failed: bool, outcome: str, error: str | None) -> None:
+    ends, worker = _ends()
+    ends.ran(_claim(), exc, failed)
+    assert worker.done == [("free", 3), ("complete", "t-1", outcome, error)]
+
+
+def test_a_lost_lease_records_nothing_as_ours() -> None:
+    for claim, exc in ((_claim(), LeaseLost("lost")), (_claim(), None)):
+        if exc is None:
+            claim.state = LOST
+        ends, worker = _ends()
+        ends.ran(claim, exc, exc is not None)
+        assert worker.done == [("free", 3), ("forget", "t-1")]
+
+
+def test_a_requeue_celery_decided_in_the_pool_goes_back_as_a_new_attempt() -> None:
+    ends, worker = _ends()
+    claim = _claim()
+    ends.verdict(claim, "reject", requeue=True)
+    assert worker.done == []  # remembered for the result
+    ends.ran(claim, Reject("again", requeue=True), True)
+    assert worker.done == [("free", 3), ("forget", "t-1"), ("requeue", "t-1")]
+
+
+@pytest.mark.parametrize(("kind", "requeue", "done"), [
+    ("ack", False, [("complete", "t-1", REVOKED, "revoked or expired before it ran")]),
+    ("reject", False, [("complete", "t-1", FAILED, "rejected by Celery before it ran")]),
+    ("reject", True, [("forget", "t-1"), ("requeue", "t-1")]),
+])
+def test_celerys_verdict_before_the_pool_ends_the_claim_now(
+        kind: str, requeue: bool, done: list[tuple[Any, ...]]) -> None:
+    ends, worker = _ends()
+    ends.verdict(_claim(applied=False), kind, requeue)
+    assert worker.done == done
+
+
+def test_a_verdict_on_a_lost_claim_is_left_to_the_store() -> None:
+    ends, worker = _ends()
+    claim = _claim(applied=False)
+    claim.state = LOST
+    ends.verdict(claim, "ack", False)
+    ends.verdict(claim, "reject", True)
+    assert worker.done == []
