@@ -315,8 +315,7 @@ class PulseWorker:
     def info(self) -> dict[str, Any]:
         """The ``pulse`` section of the worker's stats (``celery inspect stats``)."""
         counters = self.keeper.counters
-        with self.keeper._lock:
-            held = list(self.keeper.claims.values())
+        held = self.keeper.snapshot()
         membership = self.membership
         return {
             "worker_id": self.hostname,
