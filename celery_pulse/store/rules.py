@@ -33,11 +33,21 @@ OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: 
 ANSWER_RANK = {"evidence": 0, "duplicate": 1, "applied": 2}
 
 
+#: A claim a reservation may take, as data (a SQL store writes it as a ``WHERE`` clause):
+#: ``(state, only once its lease expired, the policy it needs)``. Open; or reserved and
+#: expired; or an expired run whose policy is ``redispatch``. A live lease is never
+#: granted again.
+CLAIMABLE: tuple[tuple[str, bool, str | None], ...] = (
+    (OPEN, False, None),
+    (RESERVED, True, None),
+    (RUNNING, True, "redispatch"),
+)
+
+
 def claimable(state: str, policy: str, expired: bool) -> bool:
-    """A reservation may take the claim: it is ``open``, an expired reservation, or an
-    expired run whose policy is ``redispatch`` (a live lease is never granted again)."""
-    return state == OPEN or (state == RESERVED and expired) or (
-        state == RUNNING and policy == "redispatch" and expired)
+    """:data:`CLAIMABLE` for one claim (``expired``: the store clock's verdict)."""
+    return any(state == s and (expired or not expires) and (need is None or policy == need)
+               for s, expires, need in CLAIMABLE)
 
 
 def new_publication(requested: str | None, current: str | None) -> bool:
