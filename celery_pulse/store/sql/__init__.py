@@ -3,6 +3,7 @@ SQLite."""
 
 from __future__ import annotations
 
-from celery_pulse.store.sql.store import SqlStore, open_store, store_on
+from celery_pulse.store.sql.factory import open_store, store_on
+from celery_pulse.store.sql.store import SqlStore
 
 __all__ = ["SqlStore", "open_store", "store_on"]

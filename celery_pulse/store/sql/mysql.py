@@ -1,4 +1,4 @@
-"""The store contract on MySQL 8 / MariaDB 10.6+ (InnoDB).
+"""The claim hot path on MySQL 8 / MariaDB 10.6+ (InnoDB).
 
 MySQL has no ``ON CONFLICT .. WHERE`` and no ``RETURNING`` on UPDATE, so a grant here is
 not one statement but one transaction that decides under row locks:
@@ -15,24 +15,19 @@ not one statement but one transaction that decides under row locks:
 
 Deadlocks and lock-wait timeouts (1213/1205) roll a transaction back whole; it is run
 again a few times (every one here is safe to repeat: nothing of it committed), then
-reported as :class:`~celery_pulse.errors.Contended`, never as an outage or a lost lease.
+reported as :class:`~celery_pulse.errors.Contended`, never as an outage or a lost lease
+(:meth:`.connections.Connections.atomic`). The control plane's MySQL statements are in
+:mod:`.mysql_control`.
 """
 
 from __future__ import annotations
 
-import logging
-import random
-import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-import sqlalchemy.exc as sa_exc
 
-from celery_pulse.errors import Contended, NotRegistered
 from celery_pulse.store.base import (
-    FAILED,
-    FINISHED_STATES,
     LIVE_STATES,
     OPEN,
     RESERVED,
@@ -40,44 +35,33 @@ from celery_pulse.store.base import (
     RUNNING,
     TERMINAL_STATES,
     Completion,
+    Exchanged,
     Grant,
-    Heartbeat,
-    LeaderGrant,
+    LeaseKey,
+    PendingExchange,
     Permit,
     Refusal,
-    Registration,
     ReserveRequest,
-    ScheduleRow,
-    Slot,
 )
-from celery_pulse.store.sql import permits as _permits
-from celery_pulse.store.sql.errors import mysql_code, translated
-from celery_pulse.store.sql.store import (
-    _CHUNK,
-    _OUTCOME_STATE,
-    _RANK,
-    SqlStore,
-    _dumps,
-    _rounds,
+from celery_pulse.store.sql import permits as permits_sql
+from celery_pulse.store.sql.claim_rows import (
+    CHUNK,
+    OUTCOME_STATE,
+    best,
+    dumps,
+    exhaust,
+    lease_key_in,
+    stale_answers,
 )
-from celery_pulse.store.sql.tables import (
-    beat_slots,
-    beat_state,
-    claims,
-    drains,
-    evidence,
-    leaders,
-    schedule,
-    workers,
-)
+from celery_pulse.store.sql.claim_rows import claimable as is_claimable
+from celery_pulse.store.sql.claim_rows import rounds as in_rounds
+from celery_pulse.store.sql.connections import Connections
+from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.results import ResultRows
+from celery_pulse.store.sql.tables import claims
 
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-#: Attempts of one transaction that keeps meeting deadlocks or duplicate-key races.
-_ATTEMPTS = 6
-_DUPLICATE_KEY = 1062
+if TYPE_CHECKING:
+    from celery_pulse.store.sql.pipeline import Pipeline
 
 #: The columns of a reservation's INSERT, in order (the server fills token and times).
 _INSERT_COLUMNS = ("task_id", "task_name", "state", "holder", "token", "epoch", "lease_until",
@@ -91,12 +75,6 @@ _REGRANT_COLUMNS = ("state", "holder", "token", "epoch", "lease_until", "attempt
                     "started_at")
 
 
-def _claimable(row: Any) -> bool:
-    """Open, or reserved and expired, or a redispatch-policy run that expired."""
-    return bool(row.state == OPEN or (row.state == RESERVED and row.expired)
-                or (row.state == RUNNING and row.policy == "redispatch" and row.expired))
-
-
 #: Of ``max_allowed_packet``, what the reservation statement's text and the row's other
 #: columns may need besides the body (bytes).
 _PACKET_HEADROOM = 1 << 20
@@ -104,16 +82,16 @@ _PACKET_HEADROOM = 1 << 20
 
 def _chunks(batch: list[tuple[int, ReserveRequest]], packet: int | None
             ) -> list[list[tuple[int, ReserveRequest]]]:
-    """``batch`` in statements of at most ``_CHUNK`` rows and, with big messages, of
+    """``batch`` in statements of at most ``CHUNK`` rows and, with big messages, of
     bodies adding up to at most ``packet`` bytes: over ``max_allowed_packet`` the server
     drops the connection, as an outage would."""
     if packet is None:
-        return [batch[i:i + _CHUNK] for i in range(0, len(batch), _CHUNK)]
+        return [batch[i:i + CHUNK] for i in range(0, len(batch), CHUNK)]
     chunks: list[list[tuple[int, ReserveRequest]]] = [[]]
     size = 0
     for item in batch:
         grows = len(item[1].message.body)
-        if chunks[-1] and (size + grows > packet or len(chunks[-1]) >= _CHUNK):
+        if chunks[-1] and (size + grows > packet or len(chunks[-1]) >= CHUNK):
             chunks.append([])
             size = 0
         chunks[-1].append(item)
@@ -121,38 +99,23 @@ def _chunks(batch: list[tuple[int, ReserveRequest]], packet: int | None
     return chunks
 
 
-class MySqlStore(SqlStore):
-    """A :class:`~celery_pulse.store.base.Store` on MySQL/MariaDB (see the module doc)."""
+class MySqlClaims:
+    """The hot path on MySQL/MariaDB (see the module doc): a sibling of
+    :class:`~.claims.BatchClaims`, not a kind of it."""
 
-    #: The server's ``max_allowed_packet`` (bytes), once asked.
-    _packet: int | None = None
+    nonblocking_exchange = False
+    pipeline: Pipeline | None = None
 
-    # -- transactions -------------------------------------------------------------------
-    def _atomic(self, where: str, body: Callable[[sa.Connection], T]) -> T:
-        """Run ``body`` in one transaction; again (whole) after a deadlock, a lock-wait
-        timeout or a lost duplicate-key race, with a short jittered backoff."""
-        delay = 0.005
-        for attempt in range(_ATTEMPTS):
-            try:
-                with translated(where), self.engine.begin() as conn:
-                    return body(conn)
-            except Contended as exc:
-                if attempt == _ATTEMPTS - 1:
-                    raise
-                why = str(exc)
-            except sa_exc.IntegrityError as exc:
-                if mysql_code(exc.orig) != _DUPLICATE_KEY or attempt == _ATTEMPTS - 1:
-                    raise
-                why = "another transaction inserted the same key first"
-            logger.debug("pulse: %s rolled back (%s): running it again", where, why)
-            time.sleep(delay * (0.5 + random.random()))
-            delay *= 2
-        raise Contended(f"store contended during {where}")  # pragma: no cover
+    def __init__(self, conns: Connections, results: ResultRows) -> None:
+        self.conns = conns
+        self.dialect = conns.dialect
+        self.results = results
+        #: The server's ``max_allowed_packet`` (bytes), once asked.
+        self._packet: int | None = None
+        self._sql_cache: dict[tuple[str, int], str] = {}
 
-    def _updated(self, conn: sa.Connection, task_ids: list[str], stmt: Any) -> list[Any]:
-        conn.execute(stmt)
-        return list(conn.execute(sa.select(claims.c.task_id, claims.c.epoch, claims.c.token)
-                                 .where(claims.c.task_id.in_(task_ids))))
+    def close(self) -> None:
+        """Nothing of its own to close (the store disposes of the engine)."""
 
     def _sql(self, kind: str, rows: int, build: Callable[[int], str]) -> str:
         cached = self._sql_cache.get((kind, rows))
@@ -160,73 +123,17 @@ class MySqlStore(SqlStore):
             cached = self._sql_cache[(kind, rows)] = build(rows)
         return cached
 
-    # -- worker registry ----------------------------------------------------------------
-    def register(self, worker_id: str, labels: Mapping[str, Any], ttl: float, *,
-                 replace_live: bool = True) -> Registration:
-        now = self._now
-        drained = sa.exists().where(drains.c.worker_id == worker_id)
-        values = dict(token=self.dialect.new_token(),
-                      labels=_dumps(labels), registered_at=now, last_heartbeat=now,
-                      expires_at=now + ttl, draining=drained)
+    def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                 reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+                 permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged | None:
+        """None: no single round trip here (the store calls the three verbs in order)."""
+        return None
 
-        def body(conn: sa.Connection) -> Any:
-            current = conn.execute(
-                sa.select(workers.c.token, (workers.c.expires_at <= now).label("expired"))
-                .where(workers.c.worker_id == worker_id).with_for_update()).one_or_none()
-            if current is None:
-                conn.execute(sa.insert(workers).values(worker_id=worker_id, **values))
-            elif replace_live or current.expired:
-                conn.execute(sa.update(workers).where(workers.c.worker_id == worker_id)
-                             .values(**values))
-            else:
-                return None
-            return conn.execute(sa.select(workers.c.token, workers.c.expires_at,
-                                          workers.c.draining)
-                                .where(workers.c.worker_id == worker_id)).one()
-
-        row = self._atomic("register", body)
-        if row is None:
-            raise NotRegistered(f"{worker_id}: another process registered this name",
-                                reason=NotRegistered.REPLACED)
-        return Registration(worker_id, row.token, float(row.expires_at), bool(row.draining))
-
-    def set_drain(self, worker_id: str, draining: bool, who: str) -> None:
-        def body(conn: sa.Connection) -> None:
-            if draining:
-                stmt = self.dialect.insert(drains).values(
-                    worker_id=worker_id, requested_by=who, requested_at=self._now)
-                conn.execute(stmt.on_duplicate_key_update(worker_id=drains.c.worker_id))
-            else:
-                conn.execute(sa.delete(drains).where(drains.c.worker_id == worker_id))
-            conn.execute(sa.update(workers).where(workers.c.worker_id == worker_id)
-                         .values(draining=draining))
-        self._atomic("set_drain", body)
-
-    def heartbeat(self, worker_id: str, token: str, ttl: float) -> Heartbeat:
-        now = self._now
-
-        def body(conn: sa.Connection) -> Any:
-            # One statement decides (the row is locked by it); read back under that lock.
-            if conn.execute(sa.update(workers).where(
-                    workers.c.worker_id == worker_id, workers.c.token == token,
-                    workers.c.expires_at > now).values(
-                    expires_at=now + ttl, last_heartbeat=now)).rowcount:
-                row = conn.execute(sa.select(workers.c.expires_at, workers.c.draining).where(
-                    workers.c.worker_id == worker_id)).one()
-                return Heartbeat(float(row.expires_at), bool(row.draining))
-            return conn.execute(
-                sa.select(workers.c.token, (workers.c.expires_at > now).label("alive"))
-                .where(workers.c.worker_id == worker_id)).one_or_none()
-
-        got = self._atomic("heartbeat", body)
-        if isinstance(got, Heartbeat):
-            return got
-        if got is None:
-            raise NotRegistered(f"{worker_id}: not registered", reason=NotRegistered.MISSING)
-        if got.token != token and got.alive:
-            raise NotRegistered(f"{worker_id}: another process registered this name",
-                                reason=NotRegistered.REPLACED)
-        raise NotRegistered(f"{worker_id}: registration expired", reason=NotRegistered.EXPIRED)
+    def begin_exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                       reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+                       permits: Mapping[str, Sequence[Permit]] | None = None
+                       ) -> PendingExchange | None:
+        return None
 
     # -- reservations -------------------------------------------------------------------
     def max_message_bytes(self) -> int | None:
@@ -234,7 +141,7 @@ class MySqlStore(SqlStore):
         columns have their share, with each byte of the body counted twice: PyMySQL sends
         bytes as hex, the C drivers escape them (twice the size at worst). Asked once."""
         if self._packet is None:
-            with translated("max_message_bytes"), self.engine.connect() as conn:
+            with translated("max_message_bytes"), self.conns.engine.connect() as conn:
                 self._packet = int(conn.exec_driver_sql(
                     "SELECT @@max_allowed_packet").scalar_one())
         return max(self._packet - _PACKET_HEADROOM, 0) // 2
@@ -243,7 +150,7 @@ class MySqlStore(SqlStore):
                 ) -> list[Grant | Refusal]:
         if not requests:
             return []
-        rounds = _rounds(list(enumerate(requests)), lambda item: item[1].task_id)
+        rounds = in_rounds(list(enumerate(requests)), lambda item: item[1].task_id)
         packet = self.max_message_bytes() if any(
             len(r.message.body) > _PACKET_HEADROOM // 2 for r in requests) else None
 
@@ -256,12 +163,12 @@ class MySqlStore(SqlStore):
                         out[i] = answer
             return [answer for answer in out if answer is not None]
 
-        return self._atomic("reserve", body)
+        return self.conns.atomic("reserve", body)
 
     def _reserve_locked(self, conn: sa.Connection, holder: str,
                         requests: list[ReserveRequest], ttl: float) -> list[Grant | Refusal]:
         """Requests of distinct task ids, decided on their rows read under lock."""
-        now = self._now
+        now = self.conns.now
         current = {r.task_id: r for r in conn.execute(
             sa.select(claims.c.task_id, claims.c.state, claims.c.holder, claims.c.epoch,
                       claims.c.attempts, claims.c.max_attempts, claims.c.retries,
@@ -277,7 +184,7 @@ class MySqlStore(SqlStore):
                 fresh.append(req)
                 continue
             new_pub = req.publication is not None and req.publication != row.publication
-            claimable = _claimable(row)
+            claimable = is_claimable(row)
             if ((new_pub or row.attempts < row.max_attempts) and claimable) or (
                     new_pub and row.state in RESTARTABLE_STATES):
                 regrants.append((req, int(row.epoch) + 1,
@@ -287,11 +194,7 @@ class MySqlStore(SqlStore):
                 reason = "terminal"
             elif claimable and row.attempts >= row.max_attempts and not new_pub:
                 reason = "exhausted"
-                conn.execute(sa.update(claims).where(
-                    claims.c.task_id == row.task_id, claims.c.epoch == row.epoch).values(
-                    state=FAILED, outcome="exhausted", finished_at=now, lease_until=None,
-                    token=None, error=f"attempt budget exhausted ({row.attempts} of "
-                                      f"{row.max_attempts} reservations used)"))
+                exhaust(conn, now, row)
             else:
                 reason = "taken"
             answers[req.task_id] = Refusal(req.task_id, reason, row.state, row.holder,
@@ -315,7 +218,7 @@ class MySqlStore(SqlStore):
         return [answers[r.task_id] for r in requests]
 
     def _insert_sql(self, rows: int) -> str:
-        now, token = self.dialect._now, self.dialect._token
+        now, token = self.dialect.clock, self.dialect.token
         row = (f"(%s, %s, %s, %s, {token}, %s, {now} + %s, %s, %s, %s, %s, %s, %s, %s, %s, "
                f"%s, %s, %s, {now}, {now}, IF(%s, {now}, NULL))")
         return (f"INSERT INTO pulse_claims ({', '.join(_INSERT_COLUMNS)}) VALUES "
@@ -334,27 +237,28 @@ class MySqlStore(SqlStore):
         for r, epoch, attempts in items:
             params += [r.task_id, r.task_name, RUNNING if r.start else RESERVED, holder, epoch,
                        ttl, attempts, r.max_attempts, r.policy, r.retries, r.message.body,
-                       _dumps(r.message.headers), _dumps(r.message.properties),
-                       _dumps(r.message.delivery_info), r.message.content_type,
+                       dumps(r.message.headers), dumps(r.message.properties),
+                       dumps(r.message.delivery_info), r.message.content_type,
                        r.message.content_encoding, r.publication, r.start]
         return tuple(params)
 
     # -- running claims -----------------------------------------------------------------
-    def _held(self, holder: str, leases: Sequence[tuple[str, int, str]], *states: str) -> Any:
+    def _held(self, holder: str, leases: Sequence[LeaseKey], *states: str) -> Any:
         """Our live leases among ``leases`` (the id list lets the primary key be used)."""
         return sa.and_(claims.c.task_id.in_([lease[0] for lease in leases]),
-                       self._lease_key(leases), claims.c.holder == holder,
-                       claims.c.state.in_(states), claims.c.lease_until > self._now)
+                       lease_key_in(leases), claims.c.holder == holder,
+                       claims.c.state.in_(states), claims.c.lease_until > self.conns.now)
 
-    def start_many(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float,
+    def start_many(self, holder: str, leases: Sequence[LeaseKey], ttl: float,
                    permits: Mapping[str, Sequence[Permit]] | None = None,
                    waiting: set[str] | None = None) -> dict[str, float]:
-        now = self._now
-        limited, unique = _permits.as_needs(permits, list(dict.fromkeys(
+        now = self.conns.now
+        limited, unique = permits_sql.as_needs(permits, list(dict.fromkeys(
             (lease[0], lease[1], lease[2]) for lease in leases)))
-        started = self._start_limited(holder, limited, ttl, permits or {}, waiting)
-        for i in range(0, len(unique), _CHUNK):
-            chunk: list[Any] = unique[i:i + _CHUNK]
+        started = permits_sql.start_limited(self.conns, None, holder, limited, ttl,
+                                            permits or {}, waiting)
+        for i in range(0, len(unique), CHUNK):
+            chunk: list[Any] = unique[i:i + CHUNK]
 
             def body(conn: sa.Connection, chunk: list[Any] = chunk) -> dict[str, float]:
                 ids = list(conn.execute(sa.select(claims.c.task_id).where(
@@ -367,16 +271,16 @@ class MySqlStore(SqlStore):
                     sa.select(claims.c.task_id, claims.c.lease_until)
                     .where(claims.c.task_id.in_(ids)))}
 
-            started.update(self._atomic("start", body))
+            started.update(self.conns.atomic("start", body))
         return started
 
-    def renew(self, holder: str, leases: Sequence[tuple[str, int, str]], ttl: float
+    def renew(self, holder: str, leases: Sequence[LeaseKey], ttl: float
               ) -> tuple[set[str], set[str]]:
         renewed: set[str] = set()
         busy: set[str] = set()
-        now = self._now
-        for i in range(0, len(leases), _CHUNK):
-            chunk = leases[i:i + _CHUNK]
+        now = self.conns.now
+        for i in range(0, len(leases), CHUNK):
+            chunk = leases[i:i + CHUNK]
 
             def body(conn: sa.Connection, chunk: Sequence[Any] = chunk
                      ) -> tuple[set[str], set[str]]:
@@ -394,7 +298,7 @@ class MySqlStore(SqlStore):
                         self._held(holder, missing, *LIVE_STATES))).scalars())
                 return got, locked
 
-            got, locked = self._atomic("renew", body)
+            got, locked = self.conns.atomic("renew", body)
             renewed |= got
             busy |= locked
         return renewed, busy
@@ -402,29 +306,27 @@ class MySqlStore(SqlStore):
     def complete(self, holder: str, completions: Sequence[Completion],
                  counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
         """As on PostgreSQL (see the contract); applied in statements per outcome."""
-        rounds = _rounds(list(completions), lambda c: c.task_id)
+        rounds = in_rounds(list(completions), lambda c: c.task_id)
 
         def body(conn: sa.Connection) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
             out: dict[str, str] = {}
             all_counts: dict[str, tuple[int, str]] = {}  # of this attempt (a retry redoes it)
             for batch in rounds:
-                for i in range(0, len(batch), _CHUNK):
+                for i in range(0, len(batch), CHUNK):
                     answers, counts = self._complete_locked(conn, holder,
-                                                            batch[i:i + _CHUNK])
+                                                            batch[i:i + CHUNK])
                     all_counts.update(counts)
-                    for task_id, answer in answers.items():
-                        if _RANK[answer] > _RANK.get(out.get(task_id, ""), -1):
-                            out[task_id] = answer
+                    best(out, answers)
             return out, all_counts
 
-        out, counts = self._atomic("complete", body)
+        out, counts = self.conns.atomic("complete", body)
         if counted is not None:
             counted.update(counts)
         return out
 
     def _complete_locked(self, conn: sa.Connection, holder: str, chunk: list[Completion]
                          ) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
-        now = self._now
+        now = self.conns.now
         current = {r.task_id: r for r in conn.execute(
             sa.select(claims.c.task_id, claims.c.epoch, claims.c.token, claims.c.state)
             .where(claims.c.task_id.in_([c.task_id for c in chunk])).with_for_update())}
@@ -434,7 +336,7 @@ class MySqlStore(SqlStore):
             row = current.get(c.task_id)
             if row is not None and int(row.epoch) == c.epoch and row.token == c.token and (
                     row.state in (RESERVED, RUNNING)):
-                groups.setdefault((_OUTCOME_STATE[c.outcome], c.outcome, c.error),
+                groups.setdefault((OUTCOME_STATE[c.outcome], c.outcome, c.error),
                                   []).append(c.task_id)
             else:
                 stale.append(c)
@@ -446,103 +348,9 @@ class MySqlStore(SqlStore):
                 finished_at=None if state == OPEN else now))
             answers.update(dict.fromkeys(ids, "applied"))
         mine = [c for c in chunk if c.result is not None and answers.get(c.task_id) == "applied"]
-        self._results().write_fenced(conn, [c.result for c in mine if c.result is not None])
-        counts = self._results().count_parts(
+        self.results.write_fenced(conn, [c.result for c in mine if c.result is not None])
+        counts = self.results.count_parts(
             conn, [(c.task_id, c.result) for c in mine if c.result is not None])
         if stale:
-            answers.update(self._stale(conn, holder, stale, now))
+            answers.update(stale_answers(conn, holder, stale, now))
         return answers, counts
-
-    def purge_finished(self, older_than: float, limit: int = 500) -> int:
-        now = self._now
-
-        def body(conn: sa.Connection) -> int:
-            # MySQL takes no LIMIT in an IN subquery; a single-table DELETE takes one.
-            deleted = conn.execute(
-                sa.delete(claims).where(claims.c.state.in_(FINISHED_STATES),
-                                        claims.c.finished_at < now - older_than)
-                .with_dialect_options(mysql_limit=limit)).rowcount
-            conn.execute(sa.delete(evidence).where(evidence.c.recorded_at < now - older_than)
-                         .with_dialect_options(mysql_limit=limit))
-            _permits.purge(conn, self.dialect, older_than, limit)
-            return int(deleted)
-
-        deleted = self._atomic("purge", body)
-        self._results().purge_expired(limit)
-        return deleted
-
-    # -- leader election and beat --------------------------------------------------------
-    def try_acquire(self, key: str, holder: str, ttl: float, token: str | None = None
-                    ) -> LeaderGrant | None:
-        now = self._now
-
-        def body(conn: sa.Connection) -> Any:
-            row = conn.execute(
-                sa.select(leaders.c.token, (leaders.c.lease_until <= now).label("expired"))
-                .where(leaders.c.key == key).with_for_update()).one_or_none()
-            if row is None:
-                conn.execute(sa.insert(leaders).values(
-                    key=key, holder=holder, token=self.dialect.new_token(), epoch=1,
-                    lease_until=now + ttl, acquired_at=now))
-            elif token is not None and row.token == token:  # our term: extend it
-                conn.execute(sa.update(leaders).where(leaders.c.key == key).values(
-                    holder=holder, lease_until=now + ttl))
-            elif row.expired:  # a new term
-                conn.execute(sa.update(leaders).where(leaders.c.key == key).values(
-                    holder=holder, token=self.dialect.new_token(), epoch=leaders.c.epoch + 1,
-                    lease_until=now + ttl, acquired_at=now))
-            else:
-                return None
-            return conn.execute(sa.select(leaders.c.holder, leaders.c.token, leaders.c.epoch,
-                                          leaders.c.lease_until)
-                                .where(leaders.c.key == key)).one()
-
-        row = self._atomic("try_acquire", body)
-        if row is None:
-            return None
-        return LeaderGrant(key, row.holder, row.token, int(row.epoch), float(row.lease_until))
-
-    def init_last_run(self, entry: str, at: float) -> float:
-        stmt = self.dialect.insert(beat_state).values(entry=entry, last_run_at=at)
-        stmt = stmt.on_duplicate_key_update(last_run_at=beat_state.c.last_run_at)
-
-        def body(conn: sa.Connection) -> float:
-            conn.execute(stmt)
-            return float(conn.execute(sa.select(beat_state.c.last_run_at).where(
-                beat_state.c.entry == entry)).scalar_one())
-
-        return self._atomic("init_last_run", body)
-
-    def fire_slot(self, key: str, token: str, epoch: int, slot: Slot) -> bool:
-        now = self._now
-        # The term's row stays locked until the slot is decided: a takeover waits.
-        term = (sa.select(leaders.c.key)
-                .where(leaders.c.key == key, leaders.c.token == token, leaders.c.epoch == epoch,
-                       leaders.c.lease_until > now).with_for_update())
-        state = self.dialect.insert(beat_state).values(entry=slot.entry, last_run_at=slot.due_at)
-        state = state.on_duplicate_key_update(last_run_at=sa.func.greatest(
-            beat_state.c.last_run_at, state.inserted.last_run_at))
-
-        def body(conn: sa.Connection) -> bool:
-            if conn.execute(term).first() is None:
-                return False
-            exists = conn.execute(sa.select(beat_slots.c.entry).where(
-                beat_slots.c.entry == slot.entry, beat_slots.c.due_at == slot.due_at
-            ).with_for_update()).first()
-            if exists is None:
-                conn.execute(sa.insert(beat_slots).values(
-                    entry=slot.entry, due_at=slot.due_at, task_id=slot.task_id,
-                    task=slot.task, payload=slot.payload, leader_epoch=epoch, created_at=now))
-            conn.execute(state)
-            return exists is None
-
-        return self._atomic("fire_slot", body)
-
-    def put_schedule(self, row: ScheduleRow) -> None:
-        values = dict(name=row.name, task=row.task, kind=row.kind, spec=row.spec, args=row.args,
-                      kwargs=row.kwargs, options=row.options, enabled=row.enabled,
-                      updated_at=self._now)
-        stmt = self.dialect.insert(schedule).values(**values)
-        stmt = stmt.on_duplicate_key_update(
-            **{k: stmt.inserted[k] for k in values if k != "name"})
-        self._atomic("put_schedule", lambda conn: conn.execute(stmt))

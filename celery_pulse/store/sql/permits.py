@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, Permit, PermitUsage
+from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
+from celery_pulse.store.sql.claim_rows import CHUNK
+from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.errors import driver_translated, translated
 from celery_pulse.store.sql.tables import claims, permit_holds, permits
@@ -36,16 +38,9 @@ def lock_keys(conn: sa.Connection, dialect: Dialect, limits: Mapping[str, int]) 
     """Create or lock each key's row, in key order (two starts never deadlock)."""
     now = dialect.now()
     for key in sorted(limits):
-        stmt = dialect.insert(permits).values(key=key, max_running=limits[key], updated_at=now)
-        if dialect.is_mysql:
-            stmt = stmt.on_duplicate_key_update(max_running=stmt.inserted.max_running,
-                                                updated_at=stmt.inserted.updated_at)
-        else:
-            stmt = stmt.on_conflict_do_update(
-                index_elements=[permits.c.key],
-                set_={"max_running": stmt.excluded.max_running,
-                      "updated_at": stmt.excluded.updated_at})
-        conn.execute(stmt)
+        conn.execute(dialect.upsert(permits, {"key": key, "max_running": limits[key],
+                                              "updated_at": now},
+                                    [permits.c.key], ("max_running", "updated_at")))
 
 
 def holders(conn: sa.Connection, keys: Sequence[str]) -> dict[str, int]:
@@ -77,15 +72,15 @@ def drop_past(conn: sa.Connection, keys: Sequence[str] | None = None, limit: int
             [tuple(row) for row in past]))).rowcount)
 
 
-def _decide(leases: Sequence[tuple[str, int, str]], wanted: Mapping[str, Mapping[str, Permit]],
+def _decide(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
             used: dict[str, int], live: set[tuple[str, int]]
-            ) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]], list[dict[str, Any]]]:
+            ) -> tuple[list[LeaseKey], list[LeaseKey], list[dict[str, Any]]]:
     """In order: each live lease starts if every key it needs has room, else waits.
 
     Returns ``(granted, waiting, hold rows)``: held rows for the granted, and rows not
     held only for the keys a waiter found full (it is not counted on the others)."""
-    granted: list[tuple[str, int, str]] = []
-    waiting: list[tuple[str, int, str]] = []
+    granted: list[LeaseKey] = []
+    waiting: list[LeaseKey] = []
     rows: list[dict[str, Any]] = []
     for lease in leases:
         if (lease[0], lease[1]) not in live:
@@ -103,14 +98,14 @@ def _decide(leases: Sequence[tuple[str, int, str]], wanted: Mapping[str, Mapping
     return granted, waiting, rows
 
 
-def _wanted(leases: Sequence[tuple[str, int, str]], needs: Mapping[str, Sequence[Permit]]
+def _wanted(leases: Sequence[LeaseKey], needs: Mapping[str, Sequence[Permit]]
             ) -> tuple[dict[str, dict[str, Permit]], dict[str, int]]:
     wanted = {lease[0]: {p.key: p for p in needs[lease[0]]} for lease in leases}
     return wanted, {key: p.limit for keyed in wanted.values() for key, p in keyed.items()}
 
 
 def start(conn: sa.Connection, dialect: Dialect, holder: str,
-          leases: Sequence[tuple[str, int, str]], ttl: float,
+          leases: Sequence[LeaseKey], ttl: float,
           needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
     """Start the leases that find room under every permit they need, in order.
 
@@ -182,13 +177,13 @@ def _pg_sql(now: str) -> dict[str, str]:
 
 
 def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
-                    leases: Sequence[tuple[str, int, str]], ttl: float,
+                    leases: Sequence[LeaseKey], ttl: float,
                     needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
     """:func:`start` on PostgreSQL's pipelined connection: one transaction in two round
     trips (lock, tidy, count and check; then start and record), prepared statements, no
     SQLAlchemy. Each statement reads a fresh snapshot (READ COMMITTED), so the count
     that follows the key's lock sees every start that held the lock before it."""
-    sql = _pg_sql(dialect._now)
+    sql = _pg_sql(dialect.clock)
     wanted, limits = _wanted(leases, needs)
     keys = sorted(limits)
     ordered = sorted(leases)
@@ -251,8 +246,28 @@ def purge(conn: sa.Connection, dialect: Dialect, older_than: float, limit: int =
     return dropped
 
 
+def start_limited(conns: Connections, pipeline: Pipeline | None, holder: str,
+                  leases: list[LeaseKey], ttl: float, needs: Mapping[str, Sequence[Permit]],
+                  waiting: set[str] | None) -> dict[str, float]:
+    """Starts that need permits: one transaction per chunk, their keys locked (on
+    PostgreSQL's pipeline when there is one)."""
+    started: dict[str, float] = {}
+    for i in range(0, len(leases), CHUNK):
+        chunk = leases[i:i + CHUNK]
+        if pipeline is not None:
+            moved, wait = start_pipelined(pipeline, conns.dialect, holder, chunk, ttl, needs)
+        else:
+            moved, wait = conns.atomic("start", functools.partial(
+                start, dialect=conns.dialect, holder=holder, leases=chunk, ttl=ttl,
+                needs=needs))
+        started.update(moved)
+        if waiting is not None:
+            waiting.update(wait)
+    return started
+
+
 def as_needs(permits_by_task: Mapping[str, Sequence[Permit]] | None,
-             leases: Sequence[tuple[str, int, str]]) -> tuple[list[Any], list[Any]]:
+             leases: Sequence[LeaseKey]) -> tuple[list[Any], list[Any]]:
     """Split ``leases`` into those that need permits and the others."""
     if not permits_by_task:
         return [], list(leases)

@@ -1,0 +1,163 @@
+"""What every claim engine shares: the rules a claim row is judged by, written once, and
+the helpers that batch claims into statements.
+
+The *claimable* rule (which claim a reservation may take) is stated here as data,
+:data:`CLAIMABLE`, and both forms the engines need come from it: :func:`claimable_sql`
+for the one-statement reservation (PostgreSQL, SQLite) and :func:`claimable` for a
+decision on a row read under lock (MySQL) or for the reason of a refusal.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+
+from celery_pulse.store.base import (
+    FAILED,
+    NEEDS_REVIEW,
+    OPEN,
+    RESERVED,
+    RETRY,
+    REVOKED,
+    RUNNING,
+    SUCCEEDED,
+    Completion,
+    Grant,
+    LeaseKey,
+    Message,
+    Recovered,
+)
+from celery_pulse.store.sql.tables import claims, evidence
+
+T = TypeVar("T")
+
+#: The claim state each completion outcome leaves (a retry reopens the claim).
+OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN,
+                 NEEDS_REVIEW: NEEDS_REVIEW}
+#: Renewals and completions are chunked so one statement never carries huge IN lists.
+CHUNK = 500
+#: Which answer of ``complete`` wins for a task id completed twice in a call.
+RANK = {"evidence": 0, "duplicate": 1, "applied": 2}
+
+#: A claim a reservation may take: (state, only once its lease expired, policy it needs).
+#: Open; or reserved and expired; or a redispatch-policy run that expired.
+CLAIMABLE: tuple[tuple[str, bool, str | None], ...] = (
+    (OPEN, False, None),
+    (RESERVED, True, None),
+    (RUNNING, True, "redispatch"),
+)
+
+
+def claimable(row: Any) -> bool:
+    """:data:`CLAIMABLE` for a row with ``state``, ``policy`` and ``expired`` (the store
+    clock's verdict, ``lease_until <= now``)."""
+    return any(row.state == state and (not expires or bool(row.expired))
+               and (policy is None or row.policy == policy)
+               for state, expires, policy in CLAIMABLE)
+
+
+def claimable_sql(expired: str) -> str:
+    """:data:`CLAIMABLE` as SQL on ``pulse_claims``; ``expired`` is the expiry test."""
+    terms = []
+    for state, expires, policy in CLAIMABLE:
+        term = [f"pulse_claims.state = '{state}'"]
+        if policy is not None:
+            term.append(f"pulse_claims.policy = '{policy}'")
+        if expires:
+            term.append(expired)
+        terms.append(term[0] if len(term) == 1 else f"({' AND '.join(term)})")
+    return " OR ".join(terms)
+
+
+def rounds(items: list[T], key: Callable[[T], Hashable]) -> list[list[T]]:
+    """``items`` in rounds of distinct keys, in order: the n-th copy of a key goes in round n."""
+    out: list[list[T]] = []
+    seen: dict[Hashable, int] = {}
+    for item in items:
+        k = key(item)
+        n = seen.get(k, 0)
+        seen[k] = n + 1
+        if n == len(out):
+            out.append([])
+        out[n].append(item)
+    return out
+
+
+def grants(rows: Any) -> dict[str, Grant]:
+    """The reservation statement's rows (task_id, epoch, token, lease_until, attempts,
+    state) as grants."""
+    return {task_id: Grant(task_id, int(epoch), token, float(lease_until), int(attempts),
+                           state == RUNNING)
+            for task_id, epoch, token, lease_until, attempts, state in rows}
+
+
+def task_id_of(item: Any) -> str:
+    """The sort key that gives concurrent batches one lock order."""
+    return str(item.task_id)
+
+
+def best(out: dict[str, str], answers: dict[str, str]) -> None:
+    """Merge ``answers`` into ``out``, keeping for each task id the best by :data:`RANK`."""
+    for task_id, answer in answers.items():
+        if RANK[answer] > RANK.get(out.get(task_id, ""), -1):
+            out[task_id] = answer
+
+
+#: Built once: ``json.dumps`` with options builds an encoder per call (three per reservation).
+_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
+
+
+def dumps(value: Any) -> str:
+    """A message's headers, properties or delivery info as the claim row keeps them."""
+    return _ENCODER.encode(dict(value))
+
+
+def lease_key_in(leases: Sequence[LeaseKey]) -> Any:
+    """The claim rows whose (task_id, epoch, token) is one of ``leases``."""
+    return sa.tuple_(claims.c.task_id, claims.c.epoch, claims.c.token).in_(
+        [tuple(lease) for lease in leases])
+
+
+def exhaust(conn: sa.Connection, now: Any, row: Any, *states: str) -> None:
+    """Fail a claim whose attempt budget is spent (``row`` was read with its epoch;
+    ``states``: the state it must still be in, if any)."""
+    conn.execute(sa.update(claims).where(
+        claims.c.task_id == row.task_id, claims.c.epoch == row.epoch,
+        *(claims.c.state == state for state in states)).values(
+        state=FAILED, outcome="exhausted", finished_at=now, lease_until=None,
+        token=None, error=f"attempt budget exhausted ({row.attempts} of "
+                          f"{row.max_attempts} reservations used)"))
+
+
+def stale_answers(conn: sa.Connection, holder: str, stale: list[Completion], now: Any
+                  ) -> dict[str, str]:
+    """Completions that applied to nothing: ``duplicate`` when the claim already holds
+    that outcome under the same epoch, else ``evidence`` (recorded in ``pulse_evidence``)."""
+    current = {r.task_id: r for r in conn.execute(
+        sa.select(claims.c.task_id, claims.c.state, claims.c.epoch)
+        .where(claims.c.task_id.in_([c.task_id for c in stale])))}
+    out: dict[str, str] = {}
+    evidence_rows = []
+    for c in stale:
+        row = current.get(c.task_id)
+        if row is not None and int(row.epoch) == c.epoch and row.state == OUTCOME_STATE[c.outcome]:
+            out[c.task_id] = "duplicate"
+            continue
+        out[c.task_id] = "evidence"
+        evidence_rows.append(dict(task_id=c.task_id, epoch=c.epoch, holder=holder,
+                                  outcome=c.outcome, error=c.error, recorded_at=now))
+    if evidence_rows:
+        conn.execute(sa.insert(evidence).values(evidence_rows))
+    return out
+
+
+def recovered(row: Any, state: str, epoch: int, token: str | None) -> Recovered:
+    """A claim row taken back to ``state`` (its message, for publishing it again)."""
+    return Recovered(row.task_id, row.task_name, state, row.state, epoch, token,
+                     int(row.attempts), Message(
+                         bytes(row.body), json.loads(row.headers), json.loads(row.properties),
+                         json.loads(row.delivery_info), row.content_type,
+                         row.content_encoding))

@@ -1,0 +1,207 @@
+"""PostgreSQL's claim hot path: the batch statements (:mod:`.batch_sql`), in autocommit,
+with the exchange on libpq's pipeline (:mod:`.pipeline`).
+
+An exchange (completions, then reservations, then starts of one group commit) goes out
+as three statements in one round trip and one implicit transaction; the completions'
+statement also writes their results (the ``pulse://`` backend's), for the claims it
+applied only. :meth:`PostgresClaims.begin_exchange` sends it without waiting, for the
+worker's event loop; :class:`PipelinedExchange` reads its answers when they arrive.
+A task id twice in one kind, a batch over the chunk size, or a chord part's counter
+takes the general path (rare: the keeper's batches are of distinct, recent tasks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from celery_pulse.errors import PulseError
+from celery_pulse.store.base import (
+    Completion,
+    Exchanged,
+    Grant,
+    LeaseKey,
+    Permit,
+    Refusal,
+    ReserveRequest,
+    ResultRecord,
+)
+from celery_pulse.store.sql import permits as permits_sql
+from celery_pulse.store.sql.batch_sql import Statement
+from celery_pulse.store.sql.claim_rows import CHUNK, grants, stale_answers, task_id_of
+from celery_pulse.store.sql.claims import BatchClaims
+from celery_pulse.store.sql.connections import Connections
+from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.pipeline import InFlight, Pipeline
+from celery_pulse.store.sql.results import ResultRows, fenced_upsert_cte, fenced_upsert_params
+
+
+class PostgresClaims(BatchClaims):
+    """:class:`BatchClaims` on PostgreSQL, plus the pipelined exchange."""
+
+    nonblocking_exchange = True
+    results_in_statement = True
+
+    def __init__(self, conns: Connections, results: ResultRows) -> None:
+        super().__init__(conns, results)
+        self.pipeline: Pipeline | None = Pipeline(conns.engine)
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    # -- the completions' statement, with their results -----------------------------------
+    def complete_statement(self, chunk: Sequence[Completion]) -> Statement:
+        """The completions' statement; it also writes their results, for those it applies."""
+        params = self.sql.complete_params(chunk)
+        records: list[tuple[str, ResultRecord]] = [
+            (c.task_id, c.result) for c in sorted(chunk, key=task_id_of) if c.result is not None]
+        if not records:
+            return self.sql.complete_sql(len(chunk)), tuple(params)
+        return (self.complete_results_sql(len(chunk), len(records)),
+                (*params, *fenced_upsert_params(records)))
+
+    def complete_results_sql(self, rows: int, records: int) -> str:
+        """The completions' update as a CTE, and the results written only for the rows it
+        returned, in one statement."""
+        kind, size = "complete+results", rows * 100_000 + records
+        cached = self.sql.cached(kind, size)
+        if cached is not None:
+            return cached
+        # batch_update's shape: "WITH v(..) AS (VALUES ..) UPDATE pulse_claims .. RETURNING
+        # pulse_claims.task_id".
+        values, update = self.sql.complete_sql(rows).split(" UPDATE pulse_claims ", 1)
+        return self.sql.keep(kind, size, (
+            f"{values}, done AS (UPDATE pulse_claims {update}), "
+            f"{fenced_upsert_cte(records, self.dialect.clock)} SELECT task_id FROM done"))
+
+    # -- the exchange ---------------------------------------------------------------------
+    def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                 reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+                 permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged | None:
+        """The three statements in one pipeline (None: the general path, see the module doc)."""
+        if not self.pipelined(completions, reserves, starts):
+            return None
+        limited, starts = permits_sql.as_needs(permits, starts)
+        if limited:
+            # Starts that need permits lock their keys in a transaction of their own,
+            # after the rest (whose completions give permits back first). The rest is
+            # pipelined too: fewer of the same distinct ids.
+            done = self.exchange(holder, ttl, completions, reserves, starts) if (
+                completions or reserves or starts) else Exchanged({}, [], {})
+            assert done is not None
+            waiting: set[str] = set()
+            started = permits_sql.start_limited(self.conns, self.pipeline, holder, limited,
+                                                ttl, permits or {}, waiting)
+            return dataclasses.replace(done, started={**done.started, **started},
+                                       waiting=frozenset(waiting))
+        assert self.pipeline is not None
+        flight = self.pipeline.begin("exchange", self.exchange_statements(
+            holder, ttl, completions, reserves, starts))
+        flight.wait(None)
+        answers = PipelinedExchange(self, holder, flight, completions, reserves,
+                                    bool(starts)).finish(blocking=True)
+        assert answers is not None
+        return answers
+
+    def pipelined(self, completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
+                  starts: Sequence[LeaseKey]) -> bool:
+        """Whether this exchange goes on the pipeline (see the module doc)."""
+        ids = ([c.task_id for c in completions], [r.task_id for r in reserves],
+               [lease[0] for lease in starts])
+        # (A chord part's counter is counted in a transaction of its own: rare.)
+        return self.pipeline is not None and any(ids) and not any(
+            len(kind) > CHUNK or len(set(kind)) < len(kind) for kind in ids) and not any(
+            c.result is not None and c.result.counter is not None for c in completions)
+
+    def begin_exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                       reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+                       permits: Mapping[str, Sequence[Permit]] | None = None
+                       ) -> PipelinedExchange | None:
+        """:meth:`exchange`, sent on the pipeline without waiting for the answer (for the
+        worker's event loop); None where it takes another path (see :meth:`exchange`)."""
+        if permits or not self.pipelined(completions, reserves, starts):
+            return None
+        assert self.pipeline is not None
+        flight = self.pipeline.begin_now("exchange", self.exchange_statements(
+            holder, ttl, completions, reserves, starts))
+        if flight is None:  # connecting (or waiting for another thread) would block
+            return None
+        return PipelinedExchange(self, holder, flight, completions, reserves, bool(starts))
+
+    def exchange_statements(self, holder: str, ttl: float, completions: Sequence[Completion],
+                            reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey]
+                            ) -> list[Statement]:
+        statements = []
+        if completions:
+            statements.append(self.complete_statement(completions))
+        if reserves:
+            statements.append(self.sql.reserve_statement(holder, reserves, ttl))
+        if starts:
+            statements.append(self.sql.start_statement(holder, starts, ttl))
+        return statements
+
+    def exchanged(self, holder: str, completions: Sequence[Completion],
+                  reserves: Sequence[ReserveRequest], starts: bool,
+                  results: Iterator[list[tuple[Any, ...]]]) -> Exchanged:
+        """The answers of a committed pipelined exchange, from its rows (plus the reads
+        that say why a completion was stale or a reservation refused: rare)."""
+        # Committed: from here on a failure only leaves some answers unknown (each of
+        # them answered with the error), never the exchange undone.
+        completed: dict[str, str | PulseError] = {}
+        if completions:
+            applied = {row[0] for row in next(results)}
+            completed = dict.fromkeys(applied, "applied")
+            stale = [c for c in completions if c.task_id not in applied]
+            if stale:
+                try:
+                    with translated("complete"), self.conns.single() as conn:
+                        completed.update(stale_answers(conn, holder, stale, self.conns.now))
+                except PulseError as exc:
+                    completed.update(dict.fromkeys((c.task_id for c in stale), exc))
+        reserved: Sequence[Grant | Refusal | PulseError] = []
+        if reserves:
+            rows = next(results)
+            try:
+                reserved = self.reserve_answers(None, reserves, rows)
+            except PulseError as exc:  # why some were refused could not be asked
+                granted = grants(rows)
+                reserved = [granted.get(r.task_id, exc) for r in reserves]
+        started = {row[0]: float(row[1]) for row in next(results)} if starts else {}
+        return Exchanged(completed, reserved, started)
+
+
+class PipelinedExchange:
+    """An exchange in flight on the PostgreSQL pipeline (:meth:`PostgresClaims.begin_exchange`).
+
+    Drive :attr:`flight` to its end (``step`` on an event loop, or ``wait``), then
+    :meth:`finish` gives the answers. Most exchanges need nothing more than their rows;
+    one with a stale completion or a refused reservation reads why in a query of its
+    own, which ``finish(blocking=False)`` leaves to a caller that may block (None).
+    """
+
+    def __init__(self, claims: PostgresClaims, holder: str, flight: InFlight,
+                 completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
+                 starts: bool) -> None:
+        self.claims, self.holder, self.flight = claims, holder, flight
+        self.completions, self.reserves, self.starts = completions, reserves, starts
+        self._rows: list[list[tuple[Any, ...]]] | None = None
+
+    def finish(self, *, blocking: bool) -> Exchanged | None:
+        """The answers (raises the store's error if the exchange failed)."""
+        if self._rows is None:
+            self._rows = self.flight.rows()
+        rows = self._rows
+        if not blocking and self._needs_reads(rows):
+            return None
+        return self.claims.exchanged(self.holder, self.completions, self.reserves,
+                                     self.starts, iter(rows))
+
+    def _needs_reads(self, rows: list[list[tuple[Any, ...]]]) -> bool:
+        at = 0
+        if self.completions:
+            if len(rows[at]) < len(self.completions):
+                return True
+            at += 1
+        return bool(self.reserves) and len(rows[at]) < len(self.reserves)
