@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import sqlalchemy as sa
@@ -24,7 +24,7 @@ from celery_pulse.store.credentials import (
     not_found,
     taken,
 )
-from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.tables import credentials
 
@@ -46,16 +46,12 @@ class SqlCredentials(CredentialStore):
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
-        self.dialect = Dialect(engine.dialect.name)
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.conns = Connections(engine)
+        self.dialect = self.conns.dialect
 
-    @contextmanager
-    def _read(self, where: str) -> Iterator[sa.Connection]:
+    def _read(self, where: str) -> AbstractContextManager[sa.Connection]:
         """Reads need no transaction: autocommit on PostgreSQL (one round trip)."""
-        with translated(where):
-            engine = self._autocommit if self.dialect.is_postgres else self.engine
-            with engine.connect() as conn:
-                yield conn
+        return self.conns.reading(where, outside_transaction=False)
 
     @contextmanager
     def _write(self, where: str) -> Iterator[sa.Connection]:
@@ -68,14 +64,11 @@ class SqlCredentials(CredentialStore):
 
     def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
                 queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:
-        stmt = self.dialect.insert(credentials).values(
+        stmt = self.dialect.insert_or_keep(credentials, dict(
             credential_id=credential_id, name=name, secret_digest=secret_digest,
             scopes=json.dumps(sorted(scopes)), queues=json.dumps(list(queues)),
-            created_at=self.dialect.now(), created_by=who)
-        if self.dialect.is_mysql:
-            stmt = stmt.on_duplicate_key_update(credential_id=credentials.c.credential_id)
-        else:
-            stmt = stmt.on_conflict_do_nothing(index_elements=[credentials.c.name])
+            created_at=self.dialect.now(), created_by=who),
+            [credentials.c.name], credentials.c.credential_id)
         with self._write("create credential") as conn:
             conn.execute(stmt)
             record = self._by(conn, credentials.c.name == name)

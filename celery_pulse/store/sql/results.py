@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import sqlalchemy as sa
 
 from celery_pulse.store.base import ResultRecord
-from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.tables import results
 
@@ -95,28 +95,17 @@ class ResultRows:
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
-        self.dialect = Dialect(engine.dialect.name)
-        self._now = self.dialect.now()
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.conns = Connections(engine)
+        self.dialect = self.conns.dialect
+        self._now = self.conns.now
 
-    @contextmanager
-    def _write(self, where: str) -> Iterator[sa.Connection]:
+    def _write(self, where: str) -> AbstractContextManager[sa.Connection]:
         """One atomic write: autocommit on PostgreSQL (one round trip), a transaction
         elsewhere (SQLite's takes the write lock at BEGIN)."""
-        with translated(where):
-            if self.dialect.is_postgres:
-                with self._autocommit.connect() as conn:
-                    yield conn
-            else:
-                with self.engine.begin() as conn:
-                    yield conn
+        return self.conns.writing(where)
 
-    @contextmanager
-    def _read(self, where: str) -> Iterator[sa.Connection]:
-        with translated(where):
-            engine = self._autocommit if self.dialect.is_postgres else self.engine
-            with engine.connect() as conn:
-                yield conn
+    def _read(self, where: str) -> AbstractContextManager[sa.Connection]:
+        return self.conns.reading(where, outside_transaction=False)
 
     def _live(self) -> sa.ColumnElement[bool]:
         return sa.or_(results.c.expires_at.is_(None), results.c.expires_at > self._now)
@@ -143,7 +132,7 @@ class ResultRows:
     def watch(self, keys: Sequence[str]) -> Iterator[Watch]:
         """Watch ``keys`` for writes. Enter it before reading them: on PostgreSQL it
         listens first, so a write committed between the read and the wait still wakes it."""
-        if not self.dialect.is_postgres:
+        if not self.dialect.notifies:
             yield Watch(set(keys))
             return
         with translated("result watch"):
@@ -183,7 +172,7 @@ class ResultRows:
         now, until = self._now, self._until(expires)
         values = {"key": key, "value": value, "state": state, "counter": None,
                   "updated_at": now, "expires_at": until}
-        if self.dialect.is_mysql:
+        if not self.dialect.returning:  # MySQL
             # MySQL assigns an upsert's columns left to right, each seeing the ones
             # before: a guard on two old columns cannot be written there. The row lock
             # taken by the read decides instead.
@@ -247,7 +236,7 @@ class ResultRows:
             key=key, value=note, counter=amount, state=self.dialect.new_token(),
             updated_at=now, expires_at=until)
         restart = sa.not_(self._live())
-        if self.dialect.is_mysql:
+        if not self.dialect.returning:  # MySQL
             # Left to right: the counter, nonce and note read the old expiry, so they go
             # first.
             conn.execute(stmt.on_duplicate_key_update({
@@ -291,7 +280,7 @@ class ResultRows:
         restart = sa.not_(self._live())
         bumped = sa.case((restart, 1), else_=sa.func.coalesce(results.c.counter, 0) + 1)
         with self._write("result incr") as conn:
-            if self.dialect.is_mysql:
+            if not self.dialect.returning:  # MySQL
                 conn.execute(stmt.on_duplicate_key_update({
                     # Left to right: the counter reads the old expiry, so it goes first.
                     results.c.counter: bumped,
@@ -333,7 +322,7 @@ class ResultRows:
         """Delete up to ``limit`` rows past their expiry."""
         expired = results.c.expires_at < self._now
         with self._write("result purge") as conn:
-            if self.dialect.is_mysql:  # no LIMIT in an IN subquery there
+            if not self.dialect.limited_subqueries:  # MySQL
                 stmt = sa.delete(results).where(expired).with_dialect_options(mysql_limit=limit)
             else:
                 stmt = sa.delete(results).where(results.c.key.in_(
