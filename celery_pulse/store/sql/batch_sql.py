@@ -23,7 +23,8 @@ from celery_pulse.store.base import (
     LeaseKey,
     ReserveRequest,
 )
-from celery_pulse.store.sql.claim_rows import OUTCOME_STATE, claimable_sql, dumps, task_id_of
+from celery_pulse.store.rules import OUTCOME_STATE
+from celery_pulse.store.sql.claim_rows import claimable_sql, dumps, task_id_of
 from celery_pulse.store.sql.dialect import Dialect
 
 #: A reservation's values, in the order of its CTE's columns.

@@ -1,62 +1,43 @@
-"""What every claim engine shares: the rules a claim row is judged by, written once, and
-the helpers that batch claims into statements.
+"""What every claim engine shares: the claim contract's rules in SQL terms, and the
+helpers that batch claims into statements.
 
-The *claimable* rule (which claim a reservation may take) is stated here as data,
-:data:`CLAIMABLE`, and both forms the engines need come from it: :func:`claimable_sql`
-for the one-statement reservation (PostgreSQL, SQLite) and :func:`claimable` for a
-decision on a row read under lock (MySQL) or for the reason of a refusal.
+The rules themselves are written once, SQL-free, in :mod:`celery_pulse.store.rules`
+(the memory store decides by them too); here they meet claim rows. The *claimable*
+rule (which claim a reservation may take) is :data:`~celery_pulse.store.rules.CLAIMABLE`,
+and both forms the engines need come from it: :func:`claimable_sql` for the
+one-statement reservation (PostgreSQL, SQLite) and :func:`claimable` for a decision on a
+row read under lock (MySQL) or for the reason of a refusal.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 
+from celery_pulse.store import rules
 from celery_pulse.store.base import (
     FAILED,
-    NEEDS_REVIEW,
-    OPEN,
-    RESERVED,
-    RETRY,
-    REVOKED,
     RUNNING,
-    SUCCEEDED,
     Completion,
     Grant,
     LeaseKey,
     Message,
     Recovered,
 )
+from celery_pulse.store.rules import ANSWER_RANK, CLAIMABLE, OUTCOME_STATE
 from celery_pulse.store.sql.tables import claims, evidence
 
-T = TypeVar("T")
-
-#: The claim state each completion outcome leaves (a retry reopens the claim).
-OUTCOME_STATE = {SUCCEEDED: SUCCEEDED, FAILED: FAILED, REVOKED: REVOKED, RETRY: OPEN,
-                 NEEDS_REVIEW: NEEDS_REVIEW}
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
 CHUNK = 500
-#: Which answer of ``complete`` wins for a task id completed twice in a call.
-RANK = {"evidence": 0, "duplicate": 1, "applied": 2}
-
-#: A claim a reservation may take: (state, only once its lease expired, policy it needs).
-#: Open; or reserved and expired; or a redispatch-policy run that expired.
-CLAIMABLE: tuple[tuple[str, bool, str | None], ...] = (
-    (OPEN, False, None),
-    (RESERVED, True, None),
-    (RUNNING, True, "redispatch"),
-)
 
 
 def claimable(row: Any) -> bool:
     """:data:`CLAIMABLE` for a row with ``state``, ``policy`` and ``expired`` (the store
-    clock's verdict, ``lease_until <= now``)."""
-    return any(row.state == state and (not expires or bool(row.expired))
-               and (policy is None or row.policy == policy)
-               for state, expires, policy in CLAIMABLE)
+    clock's verdict, ``lease_until <= now``; NULL when the claim has no lease)."""
+    return rules.claimable(row.state, row.policy, bool(row.expired))
 
 
 def claimable_sql(expired: str) -> str:
@@ -70,20 +51,6 @@ def claimable_sql(expired: str) -> str:
             term.append(expired)
         terms.append(term[0] if len(term) == 1 else f"({' AND '.join(term)})")
     return " OR ".join(terms)
-
-
-def rounds(items: list[T], key: Callable[[T], Hashable]) -> list[list[T]]:
-    """``items`` in rounds of distinct keys, in order: the n-th copy of a key goes in round n."""
-    out: list[list[T]] = []
-    seen: dict[Hashable, int] = {}
-    for item in items:
-        k = key(item)
-        n = seen.get(k, 0)
-        seen[k] = n + 1
-        if n == len(out):
-            out.append([])
-        out[n].append(item)
-    return out
 
 
 def grants(rows: Any) -> dict[str, Grant]:
@@ -100,9 +67,10 @@ def task_id_of(item: Any) -> str:
 
 
 def best(out: dict[str, str], answers: dict[str, str]) -> None:
-    """Merge ``answers`` into ``out``, keeping for each task id the best by :data:`RANK`."""
+    """Merge ``answers`` into ``out``, keeping for each task id the best by
+    :data:`~celery_pulse.store.rules.ANSWER_RANK`."""
     for task_id, answer in answers.items():
-        if RANK[answer] > RANK.get(out.get(task_id, ""), -1):
+        if ANSWER_RANK[answer] > ANSWER_RANK.get(out.get(task_id, ""), -1):
             out[task_id] = answer
 
 

@@ -29,6 +29,7 @@ from celery_pulse.store.base import (
     Refusal,
     ReserveRequest,
 )
+from celery_pulse.store.rules import new_publication, rounds, split_by_permits
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.batch_sql import BatchSql, Statement
 from celery_pulse.store.sql.claim_rows import (
@@ -38,7 +39,6 @@ from celery_pulse.store.sql.claim_rows import (
     exhaust,
     grants,
     lease_key_in,
-    rounds,
     stale_answers,
 )
 from celery_pulse.store.sql.connections import Connections
@@ -138,7 +138,7 @@ class BatchClaims:
             .where(claims.c.task_id.in_(list(by_id)))).all()
         out: dict[str, Refusal] = {}
         for r in rows:
-            new_pub = by_id[r.task_id].publication not in (None, r.publication)
+            new_pub = new_publication(by_id[r.task_id].publication, r.publication)
             if r.state in TERMINAL_STATES:
                 reason = "terminal"
             elif claimable(r) and r.attempts >= r.max_attempts and not new_pub:
@@ -156,7 +156,7 @@ class BatchClaims:
                    waiting: set[str] | None = None) -> dict[str, float]:
         # Plain SQL, built once per batch size: run by the worker's committer for every
         # task, right before the pool gets the job.
-        limited, unique = permits_sql.as_needs(permits, list(dict.fromkeys(
+        limited, unique = split_by_permits(permits, list(dict.fromkeys(
             (lease[0], lease[1], lease[2]) for lease in leases)))
         started = permits_sql.start_limited(self.conns, self.pipeline, holder, limited, ttl,
                                             permits or {}, waiting)

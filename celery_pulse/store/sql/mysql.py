@@ -31,7 +31,6 @@ from celery_pulse.store.base import (
     LIVE_STATES,
     OPEN,
     RESERVED,
-    RESTARTABLE_STATES,
     RUNNING,
     TERMINAL_STATES,
     Completion,
@@ -43,10 +42,11 @@ from celery_pulse.store.base import (
     Refusal,
     ReserveRequest,
 )
+from celery_pulse.store.rules import OUTCOME_STATE, grantable, new_publication, split_by_permits
+from celery_pulse.store.rules import rounds as in_rounds
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
     CHUNK,
-    OUTCOME_STATE,
     best,
     dumps,
     exhaust,
@@ -54,7 +54,6 @@ from celery_pulse.store.sql.claim_rows import (
     stale_answers,
 )
 from celery_pulse.store.sql.claim_rows import claimable as is_claimable
-from celery_pulse.store.sql.claim_rows import rounds as in_rounds
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.results import ResultRows
@@ -183,16 +182,15 @@ class MySqlClaims:
             if row is None:
                 fresh.append(req)
                 continue
-            new_pub = req.publication is not None and req.publication != row.publication
-            claimable = is_claimable(row)
-            if ((new_pub or row.attempts < row.max_attempts) and claimable) or (
-                    new_pub and row.state in RESTARTABLE_STATES):
+            new_pub = new_publication(req.publication, row.publication)
+            if grantable(row.state, row.policy, bool(row.expired), row.attempts,
+                         row.max_attempts, new_pub):
                 regrants.append((req, int(row.epoch) + 1,
                                  1 if new_pub else int(row.attempts) + 1))
                 continue
             if row.state in TERMINAL_STATES:
                 reason = "terminal"
-            elif claimable and row.attempts >= row.max_attempts and not new_pub:
+            elif is_claimable(row) and row.attempts >= row.max_attempts and not new_pub:
                 reason = "exhausted"
                 exhaust(conn, now, row)
             else:
@@ -253,7 +251,7 @@ class MySqlClaims:
                    permits: Mapping[str, Sequence[Permit]] | None = None,
                    waiting: set[str] | None = None) -> dict[str, float]:
         now = self.conns.now
-        limited, unique = permits_sql.as_needs(permits, list(dict.fromkeys(
+        limited, unique = split_by_permits(permits, list(dict.fromkeys(
             (lease[0], lease[1], lease[2]) for lease in leases)))
         started = permits_sql.start_limited(self.conns, None, holder, limited, ttl,
                                             permits or {}, waiting)

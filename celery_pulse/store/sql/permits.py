@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
+from celery_pulse.store.rules import decide_permits
 from celery_pulse.store.sql.claim_rows import CHUNK
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.dialect import Dialect
@@ -75,27 +76,11 @@ def drop_past(conn: sa.Connection, keys: Sequence[str] | None = None, limit: int
 def _decide(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
             used: dict[str, int], live: set[tuple[str, int]]
             ) -> tuple[list[LeaseKey], list[LeaseKey], list[dict[str, Any]]]:
-    """In order: each live lease starts if every key it needs has room, else waits.
-
-    Returns ``(granted, waiting, hold rows)``: held rows for the granted, and rows not
-    held only for the keys a waiter found full (it is not counted on the others)."""
-    granted: list[LeaseKey] = []
-    waiting: list[LeaseKey] = []
-    rows: list[dict[str, Any]] = []
-    for lease in leases:
-        if (lease[0], lease[1]) not in live:
-            continue
-        keyed = wanted[lease[0]]
-        full = [key for key, p in keyed.items() if used.get(key, 0) >= p.limit]
-        if not full:
-            for key in keyed:
-                used[key] = used.get(key, 0) + 1
-            granted.append(lease)
-        else:
-            waiting.append(lease)
-        rows += [{"key": key, "task_id": lease[0], "epoch": lease[1], "held": not full}
-                 for key in (full or keyed)]
-    return granted, waiting, rows
+    """:func:`~celery_pulse.store.rules.decide_permits`, its holds as rows of
+    ``pulse_permit_holds``."""
+    granted, waiting, holds = decide_permits(leases, wanted, used, live)
+    return granted, waiting, [{"key": key, "task_id": task_id, "epoch": epoch, "held": held}
+                              for key, task_id, epoch, held in holds]
 
 
 def _wanted(leases: Sequence[LeaseKey], needs: Mapping[str, Sequence[Permit]]
@@ -264,16 +249,6 @@ def start_limited(conns: Connections, pipeline: Pipeline | None, holder: str,
         if waiting is not None:
             waiting.update(wait)
     return started
-
-
-def as_needs(permits_by_task: Mapping[str, Sequence[Permit]] | None,
-             leases: Sequence[LeaseKey]) -> tuple[list[Any], list[Any]]:
-    """Split ``leases`` into those that need permits and the others."""
-    if not permits_by_task:
-        return [], list(leases)
-    limited = [lease for lease in leases if permits_by_task.get(lease[0])]
-    plain = [lease for lease in leases if not permits_by_task.get(lease[0])]
-    return limited, plain
 
 
 #: The PostgreSQL channel on which workers announce permits given back.

@@ -27,6 +27,7 @@ from celery_pulse.store.base import (
     ReserveRequest,
     ResultRecord,
 )
+from celery_pulse.store.rules import split_by_permits
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.batch_sql import Statement
 from celery_pulse.store.sql.claim_rows import CHUNK, grants, stale_answers, task_id_of
@@ -83,7 +84,7 @@ class PostgresClaims(BatchClaims):
         """The three statements in one pipeline (None: the general path, see the module doc)."""
         if not self.pipelined(completions, reserves, starts):
             return None
-        limited, starts = permits_sql.as_needs(permits, starts)
+        limited, starts = split_by_permits(permits, starts)
         if limited:
             # Starts that need permits lock their keys in a transaction of their own,
             # after the rest (whose completions give permits back first). The rest is
