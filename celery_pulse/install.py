@@ -97,7 +97,7 @@ def stamp_publication(headers: Any = None, **_kwargs: Any) -> None:
     """
     import uuid
 
-    from celery_pulse.bootsteps.intake import FIXED_PUBLICATION_HEADER, PUBLICATION_HEADER
+    from celery_pulse.messages import FIXED_PUBLICATION_HEADER, PUBLICATION_HEADER
 
     if isinstance(headers, dict) and headers.get("id"):  # task protocol 2
         fixed = headers.pop(FIXED_PUBLICATION_HEADER, None)

@@ -106,6 +106,8 @@ def current_lease() -> Lease | None:
     return lease
 
 
-def _set_current(lease: Lease | None) -> None:
+def set_current(lease: Lease | None) -> None:
+    """Bind (or clear) the lease :func:`current_lease` answers: the pool process's runner
+    calls it around each task it runs, nothing else should."""
     _local.lease = lease
 

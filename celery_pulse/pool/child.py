@@ -38,7 +38,7 @@ from typing import Any
 
 from celery_pulse.backend import carried_by_completions, deferred_result, record_fields
 from celery_pulse.errors import LeaseLost, PulseError
-from celery_pulse.lease import Lease, _set_current, current_lease
+from celery_pulse.lease import Lease, current_lease, set_current
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.store.base import LIVE_STATES, OPEN
 from celery_pulse.store.sql.fence import make_fencer
@@ -271,7 +271,7 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         # in): never start the body. The store decides what happens next (Recover).
         return (REFUSED, task_id)
     _armed = (lease, _task_codes(args[0]))
-    _set_current(lease)
+    set_current(lease)
     task = _context.app.tasks.get(args[0])
     _expect_lease_lost(task)
     backend = None if task is None else task.backend
@@ -288,4 +288,4 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         _armed = None
         if lease.raised:
             _report_lost(lease, args[0])
-        _set_current(None)
+        set_current(None)
