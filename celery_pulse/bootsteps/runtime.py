@@ -126,6 +126,11 @@ class Runtime(bootsteps.StartStopStep):
         _short_redis_visibility(w.app, settings)
         w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store, rules,
                               remote=bool(settings.gateway_url))
+        try:
+            w.pulse.serve_metrics()
+        except PulseError as exc:
+            print(f"celery-pulse: cannot start: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_CONFIG) from None
         return self
 
     def start(self, w: Any) -> None:
