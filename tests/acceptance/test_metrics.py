@@ -202,9 +202,11 @@ def test_cluster_families_on_the_leader_only_with_review_size_and_growing_age(
     age = value(first, "pulse_cluster_review_oldest_age_seconds")
     assert age is not None and age > 0
     # The age grows with the store clock, between reads as well as across them.
-    later = wait_for(lambda: (s := scrape(url_b)) and (
-        value(s, "pulse_cluster_review_oldest_age_seconds") or 0) >= age + 1.0 and s, 10,
-        "the oldest review item's age to grow")
+    def grown() -> Samples | None:
+        s = scrape(url_b)
+        older = s and value(s, "pulse_cluster_review_oldest_age_seconds")
+        return s if older and older >= age + 1.0 else None
+    later: Samples = wait_for(grown, 10, "the oldest review item's age to grow")
     since = _review_since(menv.store_url, task.id)
     store_age = _store_now(menv.store_url) - since
     shown = value(later, "pulse_cluster_review_oldest_age_seconds")
