@@ -309,3 +309,33 @@ def test_a_hung_store_never_hangs_a_scrape_and_shows_store_down(
         engine.dispose()
     wait_alive(lambda: (s := scrape(url)) and value(s, "pulse_store_up") == 1.0, 30,
                "the store to be up again", (w,))
+
+
+def test_with_beat_off_one_worker_elected_for_metrics_exports_the_cluster(
+        menv: Env, workers: Callable[..., Worker]) -> None:
+    """``pulse_beat = False``: nobody leads beat. Passes if the two workers elect one
+    exporter over the ``metrics`` leader key: exactly one exports the cluster families
+    (with that key's epoch), the other none, and neither claims to lead beat."""
+    menv.conf["pulse_beat"] = False
+    ports = free_port(), free_port()
+    ws = tuple(workers(menv, f"nb{i}@%h", extra_env=with_port(menv, port)).wait_ready(60)
+               for i, port in enumerate(ports))
+    urls = [f"http://127.0.0.1:{port}/metrics" for port in ports]
+
+    def split() -> list[Samples] | None:
+        got = [scrape(url) for url in urls]
+        if any(s is None for s in got):
+            return None
+        answers = [s for s in got if s is not None]
+        ups = [value(s, "pulse_store_up") for s in answers]
+        return answers if ups.count(1.0) == 1 and ups.count(None) == 1 else None
+    answers = wait_alive(split, 30, "one worker to export the cluster", ws)
+    exporter = next(s for s in answers if value(s, "pulse_store_up") == 1.0)
+    other = next(s for s in answers if value(s, "pulse_store_up") is None)
+    assert cluster_names(other) == set()
+    assert value(exporter, "pulse_cluster_leader_epoch", key="metrics") is not None
+    assert value(exporter, "pulse_cluster_leader_epoch", key="beat") is None
+    for s in answers:
+        assert sum(v for (name, _l), v in s.items() if name == "pulse_is_leader") == 0.0
+    assert sum(v for s in answers for (name, _l), v in s.items()
+               if name == "pulse_is_cluster_exporter") == 1.0
