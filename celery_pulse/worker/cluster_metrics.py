@@ -27,9 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_pulse.service import Service
-from celery_pulse.store.base import NEEDS_REVIEW, PermitUsage
+from celery_pulse.store.base import LIVE_STATES, NEEDS_REVIEW, OPEN, TERMINAL_STATES, PermitUsage
 
 logger = logging.getLogger(__name__)
+
+#: Every state the claims family shows, 0 included (an absent series would hide a 0 from
+#: an alert); ``expired``: live claims past their lease.
+CLAIM_STATES = (*LIVE_STATES, OPEN, *TERMINAL_STATES, "expired")
 
 #: The leader key workers campaign for to choose the exporter when ``pulse_beat`` is off.
 METRICS_KEY = "metrics"
@@ -68,7 +72,8 @@ def read_cluster(store: Any, leader_keys: tuple[str, ...],
     """Read every cluster figure from ``store`` (raises what the store raises)."""
     began = monotonic()
     now = float(store.now())
-    claims = {str(state): int(n) for state, n in store.claim_counts().items()}
+    claims = dict.fromkeys(CLAIM_STATES, 0)
+    claims.update((str(state), int(n)) for state, n in store.claim_counts().items())
     oldest = oldest_review_since(store) if claims.get(NEEDS_REVIEW) else None
     epochs = {}
     for key in leader_keys:

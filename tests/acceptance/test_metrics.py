@@ -185,6 +185,7 @@ def test_cluster_families_on_the_leader_only_with_review_size_and_growing_age(
     assert value(leader, "pulse_is_cluster_exporter", worker=name_a) == 1.0
     assert value(leader, "pulse_is_leader", worker=name_a) == 1.0
     assert value(leader, "pulse_cluster_review_size") == 0.0
+    assert value(leader, "pulse_cluster_claims", state="needs_review") == 0.0  # shown at 0
     assert value(leader, "pulse_cluster_review_oldest_age_seconds") == 0.0
     epoch = _leader_epoch(menv.store_url)
     assert value(leader, "pulse_cluster_leader_epoch", key="beat") == epoch
