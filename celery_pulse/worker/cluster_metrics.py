@@ -59,9 +59,10 @@ class ClusterSnapshot:
 
 
 def oldest_review_since(store: Any) -> float | None:
-    """When the oldest task waiting in review got there, by the store clock.
+    """When the oldest task waiting in review was last reserved, by the store clock.
 
-    The one place that asks: the review listing returns the oldest item first.
+    The one place that asks: the review listing returns the oldest item first (a
+    store that records when a claim entered review answers that here instead).
     """
     items = store.list_review(limit=1)
     return float(items[0].since) if items else None

@@ -176,8 +176,9 @@ class PulseWorker:
             self.cluster = ClusterReader(self.store, lambda: elector.is_leader,
                                          interval=self.settings.metrics_interval,
                                          leader_keys=(elector.key,))
-        serve(self.settings.metrics_address, self.settings.metrics_port, self.info,
-              self.cluster)
+        if not serve(self.settings.metrics_address, self.settings.metrics_port, self.info,
+                     self.cluster):  # no prometheus_client: nobody would see a read
+            self.cluster = self.metrics_elector = None
 
     def attach_loop(self) -> None:
         """The consumer's event loop is about to run: the hot path goes on it, where the
