@@ -28,7 +28,8 @@ def _processes(env: Env, name: str) -> int:
 def test_celery_control_pool_command_is_refused_with_the_reason(
         ops_env: Env, workers: Callable[..., Worker], command: str) -> None:  # noqa: F811
     """Passes if ``celery control <command>`` gets the reply ``{"error": "<command> is not
-    supported by -P pulse: ..."}``, the worker logs one WARNING naming the command, and
+    supported by -P pulse: ..."}`` (shown as an ERROR with the reason without ``--json``),
+    the worker logs one WARNING naming the command, and
     the pool keeps its one process."""
     w = workers(ops_env, "pc@%h").wait_ready(60)
     name = w.wait_log(r"pulse: registered (\S+)").group(1)
@@ -37,6 +38,8 @@ def test_celery_control_pool_command_is_refused_with_the_reason(
     replies = json.loads(proc.stdout)
     assert replies == [{name: {"error": refusal(command)}}], (proc.stdout, proc.stderr)
     assert "is not supported by -P pulse" in refusal(command)
+    plain = ops_env.celery("control", command, *ARGS[command], "-d", name, timeout=60)
+    assert f"{name}: ERROR" in plain.stdout and refusal(command) in plain.stdout, plain.stdout
     w.wait_log(rf"WARNING.*pulse: refused remote control command {command}")
     assert _processes(ops_env, name) == 1
 
