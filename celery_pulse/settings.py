@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import os
+import re
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -112,6 +114,14 @@ class Settings:
     metrics_port: int = dataclasses.field(
         default=0, metadata=_doc("Serve Prometheus metrics on this port (needs prometheus_client); "
                                  "0 = off.", "0 (off)"))
+    metrics_address: str = dataclasses.field(
+        default="0.0.0.0", metadata=_doc("The address the Prometheus exporter listens on: an IP "
+                                         "address (IPv6 too: `::1`, `::`) or a host name; "
+                                         "`127.0.0.1` keeps it on the host.", "0.0.0.0 (every "
+                                         "IPv4 interface)"))
+    metrics_interval: float = dataclasses.field(
+        default=15.0, metadata=_doc("How often the exporting worker reads the cluster's figures "
+                                    "(the `pulse_cluster_*` metrics) from the store.", "15 s"))
     store_connect_timeout: float = dataclasses.field(
         default=10.0, metadata=_doc("How long startup waits for an unreachable store.", "10 s"))
     concurrency_limits: Mapping[str, int] = dataclasses.field(
@@ -159,7 +169,7 @@ class Settings:
                 f"use one of {', '.join(STORE_SCHEMES)}", setting="pulse_store_url")
         for name in ("worker_ttl", "lease_ttl", "leader_ttl", "heartbeat_interval",
                      "renew_interval", "leader_interval", "recover_interval", "retention",
-                     "store_connect_timeout"):
+                     "store_connect_timeout", "metrics_interval"):
             if getattr(self, name) <= 0:
                 raise InvalidConfig(f"pulse_{name} must be > 0, got {getattr(self, name)!r}",
                                     setting=f"pulse_{name}")
@@ -172,6 +182,7 @@ class Settings:
                 raise InvalidConfig(
                     f"pulse_{interval} ({getattr(self, interval)}s) must be shorter than "
                     f"pulse_{ttl} ({getattr(self, ttl)}s)", setting=f"pulse_{interval}")
+        object.__setattr__(self, "metrics_address", _listen_address(self.metrics_address))
         if not 0 <= self.metrics_port < 65536:
             raise InvalidConfig("pulse_metrics_port must be a TCP port (0 = off)",
                                 setting="pulse_metrics_port")
@@ -238,6 +249,25 @@ def concurrency_limit(key: str, value: Any, setting: str) -> int:
         raise InvalidConfig(f"{key}: a concurrency limit must be an integer >= 1, got "
                             f"{value!r}", setting=setting)
     return value
+
+
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _listen_address(value: str) -> str:
+    """``pulse_metrics_address`` checked: an IP address (``[::1]`` loses its brackets)
+    or a host name; anything else is refused now, not when the socket binds."""
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    if len(text) <= 253 and _HOST_NAME.fullmatch(text) and not text.replace(".", "").isdigit():
+        return text
+    raise InvalidConfig(f"pulse_metrics_address: expected an IP address (0.0.0.0, 127.0.0.1, "
+                        f"::1) or a host name, got {value!r}", setting="pulse_metrics_address")
 
 
 def _limits(key: str, value: Any) -> dict[str, int]:

@@ -64,6 +64,10 @@ RULES: dict[str, Rule] = {
     "on_lost": Rule(f"`{'` or `'.join(ON_LOST_POLICIES)}` (or unset)",
                     {"pulse_on_lost": "retry"}),
     "metrics_port": Rule("a TCP port, 0-65535", {"pulse_metrics_port": 70000}),
+    "metrics_address": Rule("an IP address (v4 or v6) or a host name; one the worker cannot "
+                            "listen on stops it at startup",
+                            {"pulse_metrics_address": "not an address"}),
+    "metrics_interval": Rule(_POSITIVE, {"pulse_metrics_interval": 0}),
     "store_connect_timeout": Rule(_POSITIVE, {"pulse_store_connect_timeout": 0}),
     "concurrency_limits": Rule("a dict of task names or `queue:<routing key>` to integers >= 1",
                                {"pulse_concurrency_limits": {"proj.tasks.charge": 0}}),

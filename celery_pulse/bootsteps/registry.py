@@ -12,6 +12,7 @@ from celery.worker import state as worker_state
 
 from celery_pulse.registry import Membership
 from celery_pulse.worker.exit_codes import EXIT_IDENTITY_LOST
+from celery_pulse.worker.pool_controls import refuse_pool_controls
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Registry(bootsteps.StartStopStep):
             _keep_reservations_across_reconnects(c, pulse, pool)
             pulse.membership.start()
             pulse.start_leases()
+            refuse_pool_controls(c)
         else:
             pulse.gate.reapply()
             # The loop turn the connection failed in may have dropped our drain.

@@ -22,6 +22,7 @@ from celery_pulse.settings import Settings, refuse_unknown_task_options
 from celery_pulse.store.sql import open_store
 from celery_pulse.worker.exit_codes import EXIT_CONFIG, EXIT_IDENTITY_LOST
 from celery_pulse.worker.permits import PermitRules
+from celery_pulse.worker.pool_controls import refuse_autoscale
 from celery_pulse.worker.service import BEAT_KEY, SWITCH_INTERVAL, PulseWorker
 
 __all__ = ["BEAT_KEY", "EXIT_CONFIG", "EXIT_IDENTITY_LOST", "REDIS_VISIBILITY_MIN",
@@ -106,6 +107,7 @@ class Runtime(bootsteps.StartStopStep):
     def create(self, w: Any) -> Any:
         try:
             settings = Settings.from_conf(w.app.conf)
+            refuse_autoscale(w)
             refuse_unknown_task_options(w.app.tasks)
             rules = PermitRules.for_app(w.app, settings.concurrency_limits)
             if settings.gateway_url:
@@ -126,6 +128,11 @@ class Runtime(bootsteps.StartStopStep):
         _short_redis_visibility(w.app, settings)
         w.pulse = PulseWorker(w.app, w.hostname, w.concurrency, settings, store, rules,
                               remote=bool(settings.gateway_url))
+        try:
+            w.pulse.serve_metrics()
+        except PulseError as exc:
+            print(f"celery-pulse: cannot start: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_CONFIG) from None
         return self
 
     def start(self, w: Any) -> None:

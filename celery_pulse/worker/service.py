@@ -34,6 +34,7 @@ from celery_pulse.store.base import (
 )
 from celery_pulse.worker.ahead import StartAhead
 from celery_pulse.worker.chords import ChordFinisher
+from celery_pulse.worker.cluster_metrics import METRICS_KEY, ClusterReader
 from celery_pulse.worker.exits import RequestEnds
 from celery_pulse.worker.gate import ConsumeGate
 from celery_pulse.worker.intake import Intake
@@ -107,6 +108,10 @@ class PulseWorker:
             self.beat = Beat(store, self.elector, entries=EntrySource(app, store),
                              publish=publisher(app), catchup=settings.beat_catchup,
                              now=store.now)
+        #: The cluster's figures for Prometheus, and the election that picks the worker
+        #: reading them when beat is off (:meth:`serve_metrics`).
+        self.cluster: ClusterReader | None = None
+        self.metrics_elector: LeaderElector | None = None
         #: Chords counted by this worker's completions (the ``pulse://`` backend).
         self.chords: ChordFinisher | None = None
         backend = app.backend if app.conf.result_backend else None
@@ -149,10 +154,31 @@ class PulseWorker:
         if self.elector is not None and self.beat is not None:
             self.beat.start()
             self.elector.start()
-        if self.settings.metrics_port:
-            from celery_pulse.worker.metrics import serve
+        if self.cluster is not None:
+            if self.metrics_elector is not None:
+                self.metrics_elector.start()
+            self.cluster.start()
 
-            serve(self.settings.metrics_port, self.info)
+    def serve_metrics(self) -> None:
+        """Start the Prometheus exporter if ``pulse_metrics_port`` is set, at build time:
+        an address it cannot listen on stops the start (:class:`InvalidConfig`)."""
+        if not self.settings.metrics_port:
+            return
+        from celery_pulse.worker.metrics import serve
+
+        if not self.remote:  # a gateway worker has no store to read the cluster from
+            elector = self.elector
+            if elector is None:  # beat off: the exporter is chosen by its own election
+                settings = self.settings
+                elector = self.metrics_elector = LeaderElector(
+                    self.store, METRICS_KEY, self.hostname, ttl=settings.leader_ttl,
+                    interval=settings.leader_interval, margin=settings.leader_margin)
+            self.cluster = ClusterReader(self.store, lambda: elector.is_leader,
+                                         interval=self.settings.metrics_interval,
+                                         leader_keys=(elector.key,))
+        if not serve(self.settings.metrics_address, self.settings.metrics_port, self.info,
+                     self.cluster):  # no prometheus_client: nobody would see a read
+            self.cluster = self.metrics_elector = None
 
     def attach_loop(self) -> None:
         """The consumer's event loop is about to run: the hot path goes on it, where the
@@ -214,6 +240,10 @@ class PulseWorker:
             self.elector.stop()  # releases: the next leader ticks within one interval
         if not self.remote:
             self.recoverer.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.metrics_elector is not None:
+            self.metrics_elector.stop()
         self.keeper.stop()
         self.signals.stop()
         if self.chords is not None:

@@ -96,7 +96,7 @@ def test_non_positive_ttl(ttl: str, value: float) -> None:
 
 
 @pytest.mark.parametrize("name", ["heartbeat_interval", "recover_interval", "retention",
-                                  "store_connect_timeout"])
+                                  "store_connect_timeout", "metrics_interval"])
 def test_non_positive_duration(name: str) -> None:
     invalid(f"pulse_{name}", store_url=SQLITE, **{name: -1.0})
 
@@ -388,3 +388,28 @@ def test_celerys_conf_table_masks_pulse_passwords_after_install() -> None:
     assert table["pulse_beat_catchup"] == "all"
     assert "brokerpw" not in str(table)  # Celery's own masking still applies
     assert app.conf.table(censored=False)["pulse_store_url"].endswith("secretpw@db/test")
+
+
+@pytest.mark.parametrize(("written", "kept"), [
+    ("0.0.0.0", "0.0.0.0"), (" 127.0.0.1 ", "127.0.0.1"), ("::1", "::1"), ("[::]", "::"),
+    ("::ffff:127.0.0.1", "::ffff:7f00:1"), ("localhost", "localhost"),
+    ("metrics.internal.example", "metrics.internal.example")])
+def test_metrics_address_takes_ip_addresses_and_host_names(written: str, kept: str) -> None:
+    assert Settings(store_url=SQLITE, metrics_address=written).metrics_address == kept
+
+
+@pytest.mark.parametrize("address", ["", "   ", "10.0.0.300", "bad address", "host:9808",
+                                     "http://0.0.0.0", "-lead.example", "[::1"])
+def test_a_bad_metrics_address_names_the_setting(address: str) -> None:
+    exc = invalid("pulse_metrics_address", store_url=SQLITE, metrics_address=address)
+    assert repr(address) in str(exc)
+
+
+def test_the_metrics_address_is_read_under_celerys_namespace() -> None:
+    class Config:
+        CELERY_PULSE_STORE_URL = SQLITE
+        CELERY_PULSE_METRICS_ADDRESS = "::1"
+        CELERY_PULSE_METRICS_PORT = 9808
+
+    settings = Settings.from_conf(_celery_app(Config, "CELERY").conf)
+    assert (settings.metrics_address, settings.metrics_port) == ("::1", 9808)
