@@ -59,11 +59,14 @@ class ClusterSnapshot:
 
 
 def oldest_review_since(store: Any) -> float | None:
-    """When the oldest task waiting in review was last reserved, by the store clock.
+    """When the task longest in review entered it, by the store clock.
 
-    The one place that asks: the review listing returns the oldest item first (a
-    store that records when a claim entered review answers that here instead).
+    The store records that time (revision 0011); a claim moved to review before then has
+    none, and the oldest reservation among the review items stands in for it.
     """
+    since = store.oldest_review_since()
+    if since is not None:
+        return float(since)
     items = store.list_review(limit=1)
     return float(items[0].since) if items else None
 

@@ -228,7 +228,8 @@ def _leader_epoch(store_url: str) -> int:
 
 
 def _review_since(store_url: str, task_id: str) -> float:
-    return float(_one(store_url, "select coalesce(reserved_at, created_at) from pulse_claims "
+    """When Recover moved the claim to review (it records that as ``finished_at``)."""
+    return float(_one(store_url, "select finished_at from pulse_claims "
                       "where task_id = :id and state = 'needs_review'", id=task_id))
 
 
