@@ -79,3 +79,7 @@ class Terminal(PulseError):
 
 class NotFound(PulseError):
     """No such record in the pulse store."""
+
+
+class Moved(NotFound):
+    """The claim moved on (retried, resolved, or a newer attempt): nothing was changed."""

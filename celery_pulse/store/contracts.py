@@ -25,7 +25,10 @@ from typing import Any
 
 from celery_pulse.store.channels import PendingExchange, PermitSignals
 from celery_pulse.store.records import (
+    ClaimDetail,
     ClaimInfo,
+    ClaimPage,
+    ClaimQuery,
     Completion,
     Exchanged,
     Grant,
@@ -191,7 +194,8 @@ class ClaimStore(abc.ABC):
         """
 
     def permit_usage(self) -> list[PermitUsage]:
-        """Every concurrency limit the store has seen a start ask for, ordered by key."""
+        """Every concurrency limit the store has seen a start ask for, ordered by key, with
+        ``oldest_waiting_since`` the reservation time of its oldest live waiter."""
         return []
 
     def permit_signals(self) -> AbstractContextManager[PermitSignals] | None:
@@ -257,6 +261,25 @@ class ClaimStore(abc.ABC):
     def claim_counts(self) -> dict[str, int]:
         """Number of claims per state, plus ``expired`` (live states past their lease)."""
 
+    def find_claims(self, query: ClaimQuery) -> ClaimPage:
+        """One page of the claims ``query`` matches, newest first (``created_at`` desc,
+        ``task_id`` desc), with the total over every page and the store clock.
+
+        Keyset pagination: ``next`` is the cursor after the page's last row (None once no
+        row follows), so following it visits every matching row once, whatever was
+        inserted meanwhile. An unknown state, a limit outside 1..500 or a cursor the store
+        did not write raise :class:`InvalidConfig` naming the valid values.
+        """
+        raise NotImplementedError
+
+    def claim_detail(self, task_id: str) -> ClaimDetail | None:
+        """One claim with its evidence rows and review decisions (None: no such claim)."""
+        raise NotImplementedError
+
+    def oldest_review_since(self) -> float | None:
+        """When the claim longest in ``needs_review`` entered it (None: none has a time)."""
+        raise NotImplementedError
+
 
 class RecoverStore(abc.ABC):
     """What Recover and the review workflow need."""
@@ -289,17 +312,31 @@ class RecoverStore(abc.ABC):
         """The message of each ``(task_id, epoch, token)`` is back in the broker."""
 
     @abc.abstractmethod
-    def list_review(self, limit: int = 1000) -> list[ReviewItem]:
-        """Tasks waiting for a human decision, oldest first."""
+    def list_review(self, limit: int = 1000, query: ClaimQuery | None = None
+                    ) -> list[ReviewItem]:
+        """Tasks waiting for a human decision, oldest first, each with its ``reason`` and
+        ``entered_at`` (a claim's ``finished_at`` is when it entered review: Recover's move
+        and a completion set it, and retention never purges ``needs_review``).
+
+        ``query`` filters by queue, task name and holder, and by state among
+        ``needs_review`` (the default) and ``failed``; its limit and cursor are unused.
+        """
 
     @abc.abstractmethod
     def review_retry(self, task_id: str, scanner: str, publish_ttl: float, who: str,
-                     note: str | None) -> Recovered:
-        """Re-open a needs-review (or failed) task for one more attempt; the caller publishes."""
+                     note: str | None, expected_epoch: int | None = None) -> Recovered:
+        """Re-open a needs-review (or failed) task for one more attempt; the caller publishes.
+
+        A claim that moved on (in no such state, or at another epoch than
+        ``expected_epoch``) raises :class:`~celery_pulse.errors.Moved` saying what it is
+        now, and nothing changes; no claim at all, :class:`NotFound`.
+        """
 
     @abc.abstractmethod
-    def review_resolve(self, task_id: str, outcome: str, who: str, note: str | None) -> None:
-        """Close a needs-review task as ``succeeded`` or ``failed`` (recorded for audit)."""
+    def review_resolve(self, task_id: str, outcome: str, who: str, note: str | None,
+                       expected_epoch: int | None = None) -> None:
+        """Close a needs-review task as ``succeeded`` or ``failed`` (recorded for audit);
+        :class:`~celery_pulse.errors.Moved` as :meth:`review_retry`."""
 
 
 class LeaderStore(abc.ABC):

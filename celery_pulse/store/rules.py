@@ -20,6 +20,7 @@ from celery_pulse.store.records import (
     RUNNING,
     SUCCEEDED,
     LeaseKey,
+    Message,
     Permit,
 )
 
@@ -42,6 +43,13 @@ CLAIMABLE: tuple[tuple[str, bool, str | None], ...] = (
     (RESERVED, True, None),
     (RUNNING, True, "redispatch"),
 )
+
+
+def queue_of(message: Message) -> str | None:
+    """The queue a claim is listed under: its delivery's routing key (at most 255
+    characters, the column's width; None when it has none)."""
+    key = message.delivery_info.get("routing_key")
+    return key[:255] if isinstance(key, str) and key else None
 
 
 def claimable(state: str, policy: str, expired: bool) -> bool:

@@ -7,8 +7,8 @@ store. Its ``clock`` is the store clock: a test passes one it moves by hand. Its
 (:attr:`MemoryStore.tables`) mirror the SQL tables, for a test to read.
 
 The parts, one module each: :mod:`.registry`, :mod:`.claims` (with :mod:`.permits` and
-:mod:`.results`), :mod:`.recover`, :mod:`.leader`; what they share is :mod:`.core` and
-:mod:`.tables`. No Celery, no SQL.
+:mod:`.results`), :mod:`.recover`, :mod:`.leader`, :mod:`.monitor` (operators' reads);
+what they share is :mod:`.core` and :mod:`.tables`. No Celery, no SQL.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from celery_pulse.store.contracts import Store
 from celery_pulse.store.credentials import MemoryCredentials
 from celery_pulse.store.memory.claims import MemoryClaims
 from celery_pulse.store.memory.leader import MemoryLeader
+from celery_pulse.store.memory.monitor import MemoryViews
 from celery_pulse.store.memory.recover import MemoryRecover
 from celery_pulse.store.memory.registry import MemoryRegistry
 
 __all__ = ["MemoryStore"]
 
 
-class MemoryStore(MemoryRegistry, MemoryClaims, MemoryRecover, MemoryLeader, Store):
+class MemoryStore(MemoryViews, MemoryRegistry, MemoryClaims, MemoryRecover, MemoryLeader,
+                  Store):
     """Dictionary-backed store; ``clock`` is the store clock (default: ``time.time``)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:

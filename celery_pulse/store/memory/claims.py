@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from celery_pulse.store.contracts import ClaimStore
 from celery_pulse.store.memory import permits as memory_permits
 from celery_pulse.store.memory import results as memory_results
-from celery_pulse.store.memory.core import MemoryCore
+from celery_pulse.store.memory.core import MemoryCore, claim_info
 from celery_pulse.store.memory.tables import ClaimRow, EvidenceRow, dumps, new_token
 from celery_pulse.store.records import (
     FAILED,
@@ -39,6 +39,7 @@ from celery_pulse.store.rules import (
     claimable,
     grantable,
     new_publication,
+    queue_of,
     rounds,
     split_by_permits,
 )
@@ -77,7 +78,7 @@ class MemoryClaims(MemoryCore, ClaimStore):
                            dumps(r.message.headers), dumps(r.message.properties),
                            dumps(r.message.delivery_info), r.message.content_type,
                            r.message.content_encoding, r.publication, now, now,
-                           started_at=now if r.start else None)
+                           started_at=now if r.start else None, queue=queue_of(r.message))
             self.tables.claims[r.task_id] = row
             return self._grant(row)
         expired = _expired(row, now)
@@ -95,6 +96,7 @@ class MemoryClaims(MemoryCore, ClaimStore):
             row.content_type = r.message.content_type
             row.content_encoding = r.message.content_encoding
             row.reserved_at, row.publication = now, r.publication
+            row.queue = queue_of(r.message)
             row.started_at = now if r.start else None
             row.finished_at = row.outcome = row.error = None
             return self._grant(row)
@@ -232,11 +234,7 @@ class MemoryClaims(MemoryCore, ClaimStore):
             rows = [row for row in reversed(self.tables.claims.values())
                     if not states or row.state in states]
             rows.sort(key=lambda row: row.created_at, reverse=True)
-            return [ClaimInfo(r.task_id, r.task_name, r.state, r.holder, r.epoch, r.attempts,
-                              r.max_attempts, r.policy,
-                              None if r.lease_until is None else r.lease_until - now,
-                              r.created_at, r.started_at, r.finished_at, r.outcome, r.error)
-                    for r in rows[:limit]]
+            return [claim_info(r, now) for r in rows[:limit]]
 
     def claim_counts(self) -> dict[str, int]:
         with self._lock:

@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 
 from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.memory.tables import ClaimRow, Tables
-from celery_pulse.store.records import LIVE_STATES, LeaseKey
+from celery_pulse.store.records import LIVE_STATES, ClaimInfo, LeaseKey
+
+
+def claim_info(r: ClaimRow, now: float) -> ClaimInfo:
+    """A claim row as the contract shows it, by the store clock ``now``."""
+    return ClaimInfo(r.task_id, r.task_name, r.state, r.holder, r.epoch, r.attempts,
+                     r.max_attempts, r.policy,
+                     None if r.lease_until is None else r.lease_until - now,
+                     r.created_at, r.started_at, r.finished_at, r.outcome, r.error, r.queue)
 
 
 class MemoryCore:

@@ -81,16 +81,19 @@ def usage(tables: Tables, now: float) -> list[PermitUsage]:
     """Every key with its limit, its holders, and the live reservations waiting for it."""
     running: dict[str, int] = {}
     waiting: dict[str, int] = {}
+    oldest: dict[str, float] = {}
     for (key, task_id), hold in tables.holds.items():
         state = _claim_state(tables, task_id, hold)
         if hold.held and state == RUNNING:
             running[key] = running.get(key, 0) + 1
         elif not hold.held and state == RESERVED:
-            lease_until = tables.claims[task_id].lease_until
-            if lease_until is not None and lease_until > now:
+            claim = tables.claims[task_id]
+            if claim.lease_until is not None and claim.lease_until > now:
                 waiting[key] = waiting.get(key, 0) + 1
-    return [PermitUsage(key, row.max_running, running.get(key, 0), waiting.get(key, 0))
-            for key, row in sorted(tables.permits.items())]
+                since = claim.reserved_at if claim.reserved_at is not None else claim.created_at
+                oldest[key] = min(oldest.get(key, since), since)
+    return [PermitUsage(key, row.max_running, running.get(key, 0), waiting.get(key, 0),
+                        oldest.get(key)) for key, row in sorted(tables.permits.items())]
 
 
 def purge(tables: Tables, now: float, older_than: float, limit: int = 500) -> int:

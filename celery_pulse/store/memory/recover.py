@@ -10,7 +10,7 @@ import json
 import logging
 from collections.abc import Sequence
 
-from celery_pulse.errors import InvalidConfig, NotFound
+from celery_pulse.errors import InvalidConfig, Moved, NotFound
 from celery_pulse.store.contracts import RecoverStore
 from celery_pulse.store.memory.core import MemoryCore
 from celery_pulse.store.memory.tables import ClaimRow, ReviewRow, new_token
@@ -25,8 +25,8 @@ from celery_pulse.store.records import (
     LeaseKey,
     Message,
     Recovered,
-    ReviewItem,
 )
+from celery_pulse.store.views import moved_message
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,9 @@ class MemoryRecover(MemoryCore, RecoverStore):
             row.token = row.lease_until = None
             row.finished_at, row.outcome = now, "exhausted"
             row.error = "attempt budget exhausted (lease expired)"
-        else:
+        else:  # it enters review now (retention never purges needs_review)
             row.token = row.lease_until = None
-            row.outcome = "unknown"
+            row.outcome, row.finished_at = "unknown", now
             row.error = "started, then its lease expired: outcome unknown"
 
     def requeue(self, holder: str, leases: Sequence[LeaseKey], publish_ttl: float
@@ -117,34 +117,26 @@ class MemoryRecover(MemoryCore, RecoverStore):
             return len(done)
 
     # -- review ------------------------------------------------------------------------------
-    def list_review(self, limit: int = 1000) -> list[ReviewItem]:
-        with self._lock:
-            self._enter()
-            rows = sorted((row for row in self.tables.claims.values()
-                           if row.state == NEEDS_REVIEW), key=lambda row: row.created_at)
-            items = []
-            for r in rows[:limit]:
-                try:
-                    headers = json.loads(r.headers)
-                    summary = (f"{headers.get('argsrepr', '')} "
-                               f"{headers.get('kwargsrepr', '')}").strip()
-                except (ValueError, AttributeError):
-                    summary = "<unreadable headers>"
-                items.append(ReviewItem(r.task_id, r.task_name, r.holder, r.epoch, r.attempts,
-                                        summary[:200], r.reserved_at or r.created_at))
-            return items
-
     def _audit(self, task_id: str, action: str, outcome: str | None, who: str,
                note: str | None, now: float) -> None:
         self.tables.reviews.append(ReviewRow(task_id, action, outcome, note, who, now))
 
+    def _moved(self, task_id: str, row: ClaimRow) -> Moved:
+        """The error for a decision on a claim that moved on: what it is now."""
+        last = [r for r in self.tables.reviews if r.task_id == task_id]
+        return Moved(moved_message(task_id, row.state, row.epoch, None if not last else (
+            last[-1].action, last[-1].outcome, last[-1].decided_by, last[-1].decided_at)))
+
     def review_retry(self, task_id: str, scanner: str, publish_ttl: float, who: str,
-                     note: str | None) -> Recovered:
+                     note: str | None, expected_epoch: int | None = None) -> Recovered:
         with self._lock:
             now = self._enter()
             row = self.tables.claims.get(task_id)
-            if row is None or row.state not in (NEEDS_REVIEW, FAILED):
+            if row is None:
                 raise NotFound(f"no needs-review or failed task {task_id}")
+            if row.state not in (NEEDS_REVIEW, FAILED) or (
+                    expected_epoch is not None and row.epoch != expected_epoch):
+                raise self._moved(task_id, row)
             was = row.state
             row.state, row.holder, row.token = OPEN, scanner, new_token()
             row.epoch += 1
@@ -154,14 +146,18 @@ class MemoryRecover(MemoryCore, RecoverStore):
             self._audit(task_id, "retry", None, who, note, now)
             return recovered(row, was)
 
-    def review_resolve(self, task_id: str, outcome: str, who: str, note: str | None) -> None:
+    def review_resolve(self, task_id: str, outcome: str, who: str, note: str | None,
+                       expected_epoch: int | None = None) -> None:
         if outcome not in (SUCCEEDED, FAILED):
             raise InvalidConfig(f"--outcome must be succeeded or failed, got {outcome!r}")
         with self._lock:
             now = self._enter()
             row = self.tables.claims.get(task_id)
-            if row is None or row.state != NEEDS_REVIEW:
+            if row is None:
                 raise NotFound(f"no needs-review task {task_id}")
+            if row.state != NEEDS_REVIEW or (
+                    expected_epoch is not None and row.epoch != expected_epoch):
+                raise self._moved(task_id, row)
             row.state = row.outcome = outcome
             row.finished_at = now
             row.error = f"resolved by {who}" + (f": {note}" if note else "")

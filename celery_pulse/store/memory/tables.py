@@ -69,6 +69,7 @@ class ClaimRow:
     finished_at: float | None = None
     outcome: str | None = None
     error: str | None = None
+    queue: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

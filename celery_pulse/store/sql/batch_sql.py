@@ -23,16 +23,16 @@ from celery_pulse.store.base import (
     LeaseKey,
     ReserveRequest,
 )
-from celery_pulse.store.rules import OUTCOME_STATE
+from celery_pulse.store.rules import OUTCOME_STATE, queue_of
 from celery_pulse.store.sql.claim_rows import claimable_sql, dumps, task_id_of
 from celery_pulse.store.sql.dialect import Dialect
 
 #: A reservation's values, in the order of its CTE's columns.
 RESERVE_COLUMNS = ("task_id", "task_name", "max_attempts", "policy", "retries", "body",
                    "headers", "properties", "delivery_info", "content_type",
-                   "content_encoding", "publication", "state")
+                   "content_encoding", "publication", "queue", "state")
 #: PostgreSQL types the VALUES of a reservation, by column (the others are text).
-_PG_CASTS = ("", "", "::integer", "", "::integer", "::bytea", "", "", "", "", "", "", "")
+_PG_CASTS = ("", "", "::integer", "", "::integer", "::bytea", "", "", "", "", "", "", "", "")
 
 Statement = tuple[str, tuple[Any, ...]]
 
@@ -62,7 +62,7 @@ class BatchSql:
                        r.message.body, dumps(r.message.headers),
                        dumps(r.message.properties), dumps(r.message.delivery_info),
                        r.message.content_type, r.message.content_encoding, r.publication,
-                       RUNNING if r.start else RESERVED]
+                       queue_of(r.message), RUNNING if r.start else RESERVED]
         params += [holder, ttl]  # the CTE's rows come first in the statement
         return self.reserve_sql(len(requests)), tuple(params)
 
@@ -86,11 +86,12 @@ class BatchSql:
             f"WITH v({cols}) AS (VALUES {', '.join([row] * rows)}) "
             f"INSERT INTO pulse_claims (task_id, task_name, state, holder, token, epoch, "
             f"lease_until, attempts, max_attempts, policy, retries, body, headers, properties, "
-            f"delivery_info, content_type, content_encoding, publication, created_at, "
+            f"delivery_info, content_type, content_encoding, publication, queue, created_at, "
             f"reserved_at, started_at) "
             f"SELECT v.task_id, v.task_name, v.state, {mark}, {token}, 1, {now} + {mark}, 1, "
             f"v.max_attempts, v.policy, v.retries, v.body, v.headers, v.properties, "
-            f"v.delivery_info, v.content_type, v.content_encoding, v.publication, {now}, {now}, "
+            f"v.delivery_info, v.content_type, v.content_encoding, v.publication, v.queue, "
+            f"{now}, {now}, "
             f"CASE WHEN v.state = '{RUNNING}' THEN {now} END "
             f"FROM v WHERE true "
             # A request with ``start`` is granted as running (its start folded in here).
@@ -104,7 +105,7 @@ class BatchSql:
             f"properties = excluded.properties, delivery_info = excluded.delivery_info, "
             f"content_type = excluded.content_type, "
             f"content_encoding = excluded.content_encoding, reserved_at = excluded.reserved_at, "
-            f"publication = excluded.publication, "
+            f"publication = excluded.publication, queue = excluded.queue, "
             f"started_at = excluded.started_at, finished_at = NULL, outcome = NULL, error = NULL "
             # A live lease is never granted again, not even to its own holder: one holder
             # must never hold two live grants of one task.

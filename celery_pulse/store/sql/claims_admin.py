@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -26,6 +27,24 @@ from celery_pulse.store.sql.claim_rows import lease_key_in
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.tables import claims
+
+
+def info_columns(conns: Connections) -> list[Any]:
+    """The columns :func:`claim_info` reads, the lease's remainder by the store clock."""
+    now = sa.select(conns.now).scalar_subquery()
+    return [claims.c.task_id, claims.c.task_name, claims.c.state, claims.c.holder,
+            claims.c.epoch, claims.c.attempts, claims.c.max_attempts, claims.c.policy,
+            (claims.c.lease_until - now).label("remaining"), claims.c.created_at,
+            claims.c.started_at, claims.c.finished_at, claims.c.outcome, claims.c.error,
+            claims.c.queue]
+
+
+def claim_info(r: Any) -> ClaimInfo:
+    """A row of :func:`info_columns` as the contract shows it."""
+    return ClaimInfo(r.task_id, r.task_name, r.state, r.holder, int(r.epoch), int(r.attempts),
+                     int(r.max_attempts), r.policy,
+                     None if r.remaining is None else float(r.remaining), float(r.created_at),
+                     r.started_at, r.finished_at, r.outcome, r.error, r.queue)
 
 
 class SqlClaimsAdmin:
@@ -58,22 +77,12 @@ class SqlClaimsAdmin:
 
     def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
                     ) -> list[ClaimInfo]:
-        now = sa.select(self.conns.now).scalar_subquery()
-        stmt = sa.select(claims.c.task_id, claims.c.task_name, claims.c.state, claims.c.holder,
-                         claims.c.epoch, claims.c.attempts, claims.c.max_attempts,
-                         claims.c.policy, (claims.c.lease_until - now).label("remaining"),
-                         claims.c.created_at, claims.c.started_at, claims.c.finished_at,
-                         claims.c.outcome, claims.c.error)
+        stmt = sa.select(*info_columns(self.conns))
         if states:
             stmt = stmt.where(claims.c.state.in_(list(states)))
         stmt = stmt.order_by(claims.c.created_at.desc()).limit(limit)
         with translated("list_claims"), self.conns.read() as conn:
-            rows = conn.execute(stmt).all()
-        return [ClaimInfo(r.task_id, r.task_name, r.state, r.holder, int(r.epoch),
-                          int(r.attempts), int(r.max_attempts), r.policy,
-                          None if r.remaining is None else float(r.remaining),
-                          float(r.created_at), r.started_at, r.finished_at, r.outcome, r.error)
-                for r in rows]
+            return [claim_info(r) for r in conn.execute(stmt)]
 
     def claim_counts(self) -> dict[str, int]:
         now = self.conns.now

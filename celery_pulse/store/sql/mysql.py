@@ -42,7 +42,13 @@ from celery_pulse.store.base import (
     Refusal,
     ReserveRequest,
 )
-from celery_pulse.store.rules import OUTCOME_STATE, grantable, new_publication, split_by_permits
+from celery_pulse.store.rules import (
+    OUTCOME_STATE,
+    grantable,
+    new_publication,
+    queue_of,
+    split_by_permits,
+)
 from celery_pulse.store.rules import rounds as in_rounds
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
@@ -66,12 +72,12 @@ if TYPE_CHECKING:
 _INSERT_COLUMNS = ("task_id", "task_name", "state", "holder", "token", "epoch", "lease_until",
                    "attempts", "max_attempts", "policy", "retries", "body", "headers",
                    "properties", "delivery_info", "content_type", "content_encoding",
-                   "publication", "created_at", "reserved_at", "started_at")
+                   "publication", "queue", "created_at", "reserved_at", "started_at")
 #: Columns a re-grant overwrites (``created_at`` and ``max_attempts`` stay).
 _REGRANT_COLUMNS = ("state", "holder", "token", "epoch", "lease_until", "attempts", "policy",
                     "retries", "task_name", "body", "headers", "properties", "delivery_info",
                     "content_type", "content_encoding", "reserved_at", "publication",
-                    "started_at")
+                    "queue", "started_at")
 
 
 #: Of ``max_allowed_packet``, what the reservation statement's text and the row's other
@@ -218,7 +224,7 @@ class MySqlClaims:
     def _insert_sql(self, rows: int) -> str:
         now, token = self.dialect.clock, self.dialect.token
         row = (f"(%s, %s, %s, %s, {token}, %s, {now} + %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-               f"%s, %s, %s, {now}, {now}, IF(%s, {now}, NULL))")
+               f"%s, %s, %s, %s, {now}, {now}, IF(%s, {now}, NULL))")
         return (f"INSERT INTO pulse_claims ({', '.join(_INSERT_COLUMNS)}) VALUES "
                 + ", ".join([row] * rows))
 
@@ -237,7 +243,8 @@ class MySqlClaims:
                        ttl, attempts, r.max_attempts, r.policy, r.retries, r.message.body,
                        dumps(r.message.headers), dumps(r.message.properties),
                        dumps(r.message.delivery_info), r.message.content_type,
-                       r.message.content_encoding, r.publication, r.start]
+                       r.message.content_encoding, r.publication, queue_of(r.message),
+                       r.start]
         return tuple(params)
 
     # -- running claims -----------------------------------------------------------------

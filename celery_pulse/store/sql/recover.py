@@ -83,8 +83,8 @@ class SqlRecover:
             values.update(token=None, lease_until=None, finished_at=now,
                           outcome="exhausted",
                           error="attempt budget exhausted (lease expired)")
-        else:
-            values.update(token=None, lease_until=None, outcome="unknown",
+        else:  # it enters review now (``finished_at``: retention never purges needs_review)
+            values.update(token=None, lease_until=None, outcome="unknown", finished_at=now,
                           error="started, then its lease expired: outcome unknown")
         granted = {g.task_id: g for g in self.conns.updated(
             conn, [r.task_id for r in members],

@@ -13,6 +13,12 @@ from celery_pulse.store.sql.types import BLOB, SECONDS, TABLE_OPTIONS, TEXT
 
 metadata = sa.MetaData()
 
+#: The claims' indexes for the operators' filters, by name: each ends in ``(created_at,
+#: task_id)``, the pages' order, so a filtered page is a range scan of one index.
+VIEW_INDEXES: dict[str, tuple[str, ...]] = {
+    "created": (), "state_created": ("state",), "queue_created": ("queue",),
+    "name_created": ("task_name",), "holder_created": ("holder",)}
+
 workers = sa.Table(
     "pulse_workers",
     metadata,
@@ -57,6 +63,13 @@ claims = sa.Table(
     #: Identity of the publication the claim belongs to (``pulse_pub`` header; NULL for
     #: messages published without it): a redelivery vs a new publication of the task id.
     sa.Column("publication", sa.String(64)),
+    #: The delivery's routing key, kept at reservation for the operators' filter (NULL on
+    #: claims reserved before revision 0011).
+    sa.Column("queue", sa.String(255)),
+    # The operators' pages (newest first under one filter): each filter walks its own
+    # index in ``created_at`` order and stops after one page (revision 0011).
+    *[sa.Index(f"ix_pulse_claims_{name}", *columns, "created_at", "task_id")
+      for name, columns in VIEW_INDEXES.items()],
     # Partial: Recover's scan only looks at claims under a lease, the purge at finished
     # ones, and rows outside an index's predicate cost it nothing when updated. (Strict
     # comparisons on the column imply IS NOT NULL, also in generic plans.)
