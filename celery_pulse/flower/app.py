@@ -62,7 +62,7 @@ def _loader_options(settings: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-class PulseFlower(Flower):  # type: ignore[misc]
+class PulseFlower(Flower):
     """Flower with pulse's pages: build it as you build ``flower.app.Flower``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -30,7 +30,9 @@ from tornado import web
 from celery_pulse.errors import InvalidConfig, NotFound, PulseError
 from celery_pulse.settings import Settings
 from celery_pulse.store.records import (
+    CLAIM_STATES,
     FAILED,
+    MAX_PAGE,
     NEEDS_REVIEW,
     OPEN,
     RESERVED,
@@ -48,9 +50,7 @@ T = TypeVar("T")
 FILTERS = ("state", "queue", "task", "worker", "limit", "after")
 #: Beside the filter, what a page or the API may also be given.
 PAGE_PARAMS = ("message", "level", "_xsrf")
-MAX_LIMIT = 500
-#: Every claim state a filter accepts, in lifecycle order.
-CLAIM_STATES = (RESERVED, RUNNING, OPEN, SUCCEEDED, FAILED, NEEDS_REVIEW, REVOKED)
+MAX_LIMIT = MAX_PAGE
 
 
 class PulseContext:
@@ -208,7 +208,8 @@ class PageHandler(Pulse, BaseHandler):
                 if k not in ("message", "level")}
         args.update(replace)
         kept = {k: v for k, v in args.items() if v}
-        return self.request.path + ("?" + urlencode(kept) if kept else "")
+        path: str = self.request.path
+        return path + ("?" + urlencode(kept) if kept else "")
 
 
 class ApiHandler(Pulse, BaseApiHandler):
