@@ -10,15 +10,12 @@ decision, the re-publish, the task events Flower shows.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import click
 
 from celery_pulse.cli import format as fmt
 from celery_pulse.cli.context import echo_json, echo_lines, opened_store, who
-from celery_pulse.errors import Moved
 from celery_pulse.operator import resolve_review, retry_review
 from celery_pulse.store.records import NEEDS_REVIEW
 from celery_pulse.store.sql import SqlStore
@@ -69,7 +66,7 @@ def review(ctx: click.Context, as_json: bool) -> None:
 def review_retry(ctx: click.Context, task_id: str, note: str | None,
                  expected_epoch: int | None) -> None:
     """Re-publish a needs-review (or failed) task for one more attempt."""
-    with opened_store(ctx) as store, moved_is_an_error():
+    with opened_store(ctx) as store:  # Moved, like any store error: 'Error: ...', exit 1
         done = retry_review(ctx.obj.app, store, task_id, who=who(), note=note,
                             expected_epoch=expected_epoch)
     click.echo(f"{task_id} re-published (epoch {done.epoch})")
@@ -85,16 +82,8 @@ def review_retry(ctx: click.Context, task_id: str, note: str | None,
 def review_resolve(ctx: click.Context, task_id: str, outcome: str, note: str | None,
                    expected_epoch: int | None) -> None:
     """Close a needs-review task by hand."""
-    with opened_store(ctx) as store, moved_is_an_error():
+    with opened_store(ctx) as store:  # Moved, like any store error: 'Error: ...', exit 1
         resolve_review(ctx.obj.app, store, task_id, outcome, who=who(), note=note,
                        expected_epoch=expected_epoch)
     click.echo(f"{task_id} resolved as {outcome}")
 
-
-@contextmanager
-def moved_is_an_error() -> Iterator[None]:
-    """A claim that moved on since it was looked at: say what it is now, exit 1."""
-    try:
-        yield
-    except Moved as exc:
-        raise click.ClickException(f"{exc}; nothing changed") from None

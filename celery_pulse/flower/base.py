@@ -27,7 +27,7 @@ from flower.api import BaseApiHandler
 from flower.views import BaseHandler
 from tornado import web
 
-from celery_pulse.errors import InvalidConfig, NotFound, PulseError
+from celery_pulse.errors import InvalidConfig, Moved, NotFound, PulseError
 from celery_pulse.settings import Settings
 from celery_pulse.store.records import (
     CLAIM_STATES,
@@ -174,8 +174,6 @@ def basic_auth_user(header: str) -> str | None:
 
 def as_http_error(exc: PulseError) -> web.HTTPError:
     """Pulse's errors as the API answers them: bad input 400, moved on 409, missing 404."""
-    from celery_pulse.errors import Moved
-
     if isinstance(exc, Moved):
         return web.HTTPError(409, str(exc))
     if isinstance(exc, NotFound):

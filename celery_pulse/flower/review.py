@@ -97,8 +97,9 @@ class PulseBadRequest(PulseError):
     """A review action asked for nothing it can do (answered 400)."""
 
 
-def run(capp: Any, store: SqlStore, request: ReviewRequest, action: str, who: str
+def run(store: SqlStore, capp: Any, request: ReviewRequest, action: str, who: str
         ) -> dict[str, Any]:
+    """The action on its targets (``PulseContext``'s call passes the store first)."""
     try:
         targets = request.targets(store)
     except PulseBadRequest as exc:
@@ -134,7 +135,7 @@ def summary(result: dict[str, Any]) -> tuple[str, str]:
     parts = []
     if result["done"]:
         parts.append(f"{verb}: " + ", ".join(d["task_id"] for d in result["done"]))
-    parts += [m["error"] + " — nothing changed" for m in result["moved"]]
+    parts += [m["error"] for m in result["moved"]]  # the store's message: "...: nothing was changed"
     if not parts:
         parts.append("nothing matched: nothing changed")
     return "; ".join(parts), "warning" if result["moved"] or not result["done"] else "success"
