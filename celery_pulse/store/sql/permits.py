@@ -202,19 +202,24 @@ def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
 
 
 def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:
-    """Every key with its limit, its holders, and the live reservations waiting for it."""
+    """Every key with its limit, its holders, and the live reservations waiting for it
+    (the oldest since its reservation)."""
     now = dialect.now()
     counts: dict[tuple[str, str], int] = {}
-    for key, state, count in conn.execute(
-            sa.select(permit_holds.c.key, claims.c.state, sa.func.count())
+    oldest: dict[str, float] = {}
+    since = sa.func.coalesce(claims.c.reserved_at, claims.c.created_at)
+    for key, state, count, first in conn.execute(
+            sa.select(permit_holds.c.key, claims.c.state, sa.func.count(), sa.func.min(since))
             .select_from(permit_holds.join(claims, _SAME_ATTEMPT))
             .where(sa.or_(sa.and_(permit_holds.c.held, claims.c.state == RUNNING),
                           sa.and_(~permit_holds.c.held, claims.c.state == RESERVED,
                                   claims.c.lease_until > now)))
             .group_by(permit_holds.c.key, claims.c.state)):
         counts[(key, state)] = int(count)
+        if state == RESERVED and first is not None:
+            oldest[key] = float(first)
     return [PermitUsage(key, int(limit), counts.get((key, RUNNING), 0),
-                        counts.get((key, RESERVED), 0))
+                        counts.get((key, RESERVED), 0), oldest.get(key))
             for key, limit in conn.execute(
                 sa.select(permits.c.key, permits.c.max_running).order_by(permits.c.key))]
 

@@ -3,7 +3,7 @@ assembled from its parts.
 
 :class:`SqlStore` is one class on every database: the control plane, written once in
 SQLAlchemy Core, comes from one module per contract part (:mod:`.registry`,
-:mod:`.claims_admin`, :mod:`.recover`, :mod:`.reviews`, :mod:`.leader`, :mod:`.beat`,
+:mod:`.claims_admin`, :mod:`.monitor`, :mod:`.recover`, :mod:`.reviews`, :mod:`.leader`, :mod:`.beat`,
 :mod:`.retention`), each asking the :class:`~.dialect.Dialect` what the database can do;
 the per-task hot path is the dialect's claim engine (:mod:`.claim_engine`), which the
 factory (:mod:`.factory`) picks. Every grant is one atomic statement, or on MySQL one
@@ -39,6 +39,7 @@ from celery_pulse.store.sql.claims_admin import SqlClaimsAdmin
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.leader import SqlLeader
+from celery_pulse.store.sql.monitor import SqlViews
 from celery_pulse.store.sql.recover import SqlRecover
 from celery_pulse.store.sql.registry import SqlRegistry
 from celery_pulse.store.sql.results import ResultRows
@@ -50,8 +51,8 @@ if TYPE_CHECKING:
     from celery_pulse.store.sql.pipeline import Pipeline
 
 
-class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlRecover, SqlReviews, SqlLeader, SqlBeat,
-               SqlRetention, Store):
+class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlViews, SqlRecover, SqlReviews, SqlLeader,
+               SqlBeat, SqlRetention, Store):
     """A :class:`Store` on a SQLAlchemy engine (PostgreSQL, MySQL/MariaDB or SQLite),
     its hot path run by ``claims`` (see :func:`~.factory.store_on`)."""
 
