@@ -62,7 +62,8 @@ class ClaimTable:
                            state=RUNNING if grant.started else RESERVED, scheduled=scheduled,
                            counted=not scheduled,
                            start_in_background=start_in_background,
-                           publication=publication, message=message)
+                           publication=publication, message=message,
+                           attempts=grant.attempts)
         with self._lock:
             if self._unsettled.get(grant.task_id) == grant:
                 del self._unsettled[grant.task_id]
