@@ -50,14 +50,13 @@ def retry_review(app: Any, store: Store, task_id: str, *, who: str, note: str | 
 
     Raises ``NotFound`` (no such claim) or ``Moved`` (it moved on) and changes nothing.
     """
-    holder = _last_holder(store, task_id)
     item = store.review_retry(task_id, f"review:{who}", PUBLISH_TTL, who, note,
                               expected_epoch=expected_epoch)
     republish(app, item)
     store.mark_published([(item.task_id, item.epoch, item.token or "")])
     logger.info("pulse: review retry of %s [%s] by %s: re-published at epoch %d%s",
                 item.task_name, task_id, who, item.epoch, _noted(note))
-    _send(app, holder, "task-retried", task_id, item,
+    _send(app, item.holder, "task-retried", task_id, item,
           exception=f"Retry({_said('retried from review', who, note)!r})", traceback="")
     return Decision(task_id, "retry", item.epoch)
 
@@ -87,11 +86,6 @@ def resolve_review(app: Any, store: Store, task_id: str, outcome: str, *, who: s
         _send(app, holder, "task-failed", task_id, None,
               exception=f"ResolvedFailed({said!r})", traceback="", pulse_epoch=epoch)
     return Decision(task_id, "resolve", epoch, outcome)
-
-
-def _last_holder(store: Store, task_id: str) -> str | None:
-    detail = store.claim_detail(task_id)
-    return None if detail is None else detail.claim.holder
 
 
 def _said(what: str, who: str, note: str | None) -> str:

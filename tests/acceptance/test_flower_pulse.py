@@ -360,7 +360,8 @@ def test_browser_kill_9_review_reason_then_retry_runs_once_on_the_other_worker(
     a = workers(page_env, "a@%h").wait_ready()
     a_name = a.wait_log(r"pulse: registered (\S+)").group(1)
     f = flower(variables=OPEN_API)
-    task_id = app.send_task("pageapp.gated", args=[str(gate), str(journal)],
+    assert page_env.tmp == tmp_path  # the workers' working directory: short paths
+    task_id = app.send_task("pageapp.gated", args=[gate.name, journal.name],
                             queue=page_env.queue).id
     wait_for(lambda: journal.exists() and "start" in journal.read_text(), 30, "the task to start")
     b = workers(page_env, "b@%h").wait_ready()
@@ -392,7 +393,9 @@ def test_browser_kill_9_review_reason_then_retry_runs_once_on_the_other_worker(
 
             page.goto(f.url + f"/task/{task_id}")  # Flower's own task page
             expect(page.locator("body")).to_contain_text("FAILURE", timeout=30_000)
-            expect(page.locator("body")).to_contain_text(a_name)
+            expect(page.locator("body")).to_contain_text("NeedsReview")
+            expect(page.locator("body")).to_contain_text(f"{a_name} lost its lease")
+            shot(page, "flower-task-in-review")
 
             page.goto(f.url + "/pulse/review")
             row = page.locator(f'#pulse-review tr[data-task-id="{task_id}"]')
