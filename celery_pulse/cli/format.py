@@ -120,8 +120,8 @@ def review_lines(items: list[dict[str, Any]], app: str) -> list[str]:
     lines = table(["TASK ID", "TASK", "LAST HOLDER", "EPOCH", "ATTEMPTS", "IN REVIEW SINCE",
                    "ARGS"], cells, right=[3, 4])
     if any(i.get("entered_review_at") is None for i in items):
-        lines.append("(after T: Recover moved the task to review when its lease expired, and "
-                     "the store keeps no time of that; T is when its last attempt started)")
+        lines.append("(after T: Recover moved the task to review before the store kept the "
+                     "time of that; T is when its last attempt started)")
     lines += [f"{len(items)} task(s) ran with an unknown outcome: check what each one did, then",
               f"  celery -A {app} pulse review retry TASK_ID        run it once more",
               f"  celery -A {app} pulse review resolve TASK_ID --outcome succeeded|failed"

@@ -23,11 +23,12 @@ from celery_pulse.timefmt import iso
 
 
 def review_payload(store: SqlStore) -> list[dict[str, Any]]:
-    """Needs-review items, with when each entered review where the store recorded it.
+    """Needs-review items, with why and since when each is there.
 
-    ``since`` (kept for scripts) is when the task was reserved. A completion that ends in
-    review sets the claim's ``finished_at``: that is ``entered_review_at``. Recover's
-    move to review records no time (None): ``started_at`` of the lost attempt bounds it.
+    ``since`` (kept for scripts) is when the task was reserved; ``entered_review_at`` when
+    it entered review (a completion to review, or Recover's move, records it). Items moved
+    by Recover before the store recorded that time have None: ``started_at`` of the lost
+    attempt bounds it.
     """
     claims = {c.task_id: c for c in store.list_claims([NEEDS_REVIEW], limit=10_000)}
     items = []
@@ -35,9 +36,8 @@ def review_payload(store: SqlStore) -> list[dict[str, Any]]:
         row = dataclasses.asdict(item)
         c = claims.get(item.task_id)
         row["started_at"] = None if c is None else c.started_at
-        row["entered_review_at"] = None if c is None else c.finished_at
-        row["entered_review"] = (None if row["entered_review_at"] is None
-                                 else iso(row["entered_review_at"]))
+        row["entered_review_at"] = item.entered_at
+        row["entered_review"] = None if item.entered_at is None else iso(item.entered_at)
         items.append(row)
     return items
 

@@ -117,8 +117,9 @@ def test_review_has_a_header_the_time_it_entered_review_and_the_next_step(
     assert set(rows) == {told.task_id, lost.task_id}
     since = header.index("IN REVIEW SINCE")
     assert rows[told.task_id][since:].startswith(iso(claims[told.task_id].finished_at))
-    assert rows[lost.task_id][since:].startswith(
-        f"after {iso(claims[lost.task_id].started_at)}")
+    # Recover's move records when (finished_at: retention never purges needs_review).
+    assert claims[lost.task_id].finished_at >= claims[lost.task_id].started_at
+    assert rows[lost.task_id][since:].startswith(iso(claims[lost.task_id].finished_at))
     for row in rows.values():
         assert row.index(HOLDER) == header.index("LAST HOLDER"), lines
     text = "\n".join(lines)
@@ -128,7 +129,10 @@ def test_review_has_a_header_the_time_it_entered_review_and_the_next_step(
     items = {i["task_id"]: i for i in env.celery_json("pulse", "review")}
     assert items[told.task_id]["entered_review_at"] == claims[told.task_id].finished_at
     assert items[told.task_id]["entered_review"] == iso(claims[told.task_id].finished_at)
-    assert items[lost.task_id]["entered_review_at"] is None
+    assert items[lost.task_id]["entered_review_at"] == claims[lost.task_id].finished_at
+    assert items[lost.task_id]["reason"] == (f"holder {HOLDER} lost its lease at epoch "
+                                             f"{lost.epoch} after it started; outcome unknown")
+    assert items[told.task_id]["reason"] == "outcome unknown"
     assert {"since", "last_holder", "args_summary", "epoch", "attempts"} <= set(
         items[lost.task_id])  # what scripts read before stays
 

@@ -452,8 +452,9 @@ class Model:
             if c.lease != EXPIRED or c.state not in (*LIVE_STATES, OPEN):
                 continue
             if not (c.state in (RESERVED, OPEN) or c.policy == "redispatch"):
+                # finished_at: when it entered review (retention never purges needs_review).
                 new = dataclasses.replace(c, state=NEEDS_REVIEW, epoch=c.epoch + 1, token=None,
-                                          lease=None, outcome="unknown")
+                                          lease=None, outcome="unknown", finished=True)
             elif c.attempts >= c.max_attempts:
                 new = dataclasses.replace(c, state=FAILED, epoch=c.epoch + 1, token=None,
                                           lease=None, outcome="exhausted", finished=True)

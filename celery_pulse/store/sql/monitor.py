@@ -3,7 +3,8 @@ oldest review item's time (the rules are :mod:`celery_pulse.store.views`).
 
 Every filter of a page has its own index ending in ``(created_at, task_id)``
 (:data:`~.tables.VIEW_INDEXES`), the page's order: a page is a backward range scan of one
-index that stops after ``limit + 1`` rows, and the cursor is a seek into it, written
+index that stops after ``limit + 1`` rows (then its rows by primary key), and the cursor
+is a seek into it, written
 ``created_at <= c AND (created_at < c OR task_id < t)`` (the range on ``created_at`` is
 what every database's planner turns into an index bound; row-value comparisons are not,
 on MariaDB). The total is a count over the same index.
@@ -33,14 +34,23 @@ from celery_pulse.store.views import args_summary, check_query, encode_cursor
 
 def page_statement(conns: Connections, query: ClaimQuery, after: tuple[float, str] | None
                    ) -> Any:
-    """The SELECT of one page of ``query`` (``limit + 1`` rows: the extra says more follow)."""
-    stmt = filtered(sa.select(*info_columns(conns)), query)
+    """The SELECT of one page of ``query`` (``limit + 1`` rows: the extra says more follow).
+
+    The page's task ids come from the filter's index alone, then their rows by primary
+    key (a deferred join): MariaDB otherwise walks the index *and the rows* from the
+    filter's newest claim down to the cursor (90 ms half-way down 100,000 claims, 1 ms
+    this way); PostgreSQL and SQLite take both forms alike.
+    """
+    ids = filtered(sa.select(claims.c.task_id), query)
     if after is not None:
         created_at, task_id = after
-        stmt = stmt.where(claims.c.created_at <= created_at,
-                          sa.or_(claims.c.created_at < created_at, claims.c.task_id < task_id))
-    return (stmt.order_by(claims.c.created_at.desc(), claims.c.task_id.desc())
-            .limit(query.limit + 1))
+        ids = ids.where(claims.c.created_at <= created_at,
+                        sa.or_(claims.c.created_at < created_at, claims.c.task_id < task_id))
+    page = (ids.order_by(claims.c.created_at.desc(), claims.c.task_id.desc())
+            .limit(query.limit + 1).subquery("page"))
+    return (sa.select(*info_columns(conns))
+            .select_from(claims.join(page, claims.c.task_id == page.c.task_id))
+            .order_by(claims.c.created_at.desc(), claims.c.task_id.desc()))
 
 
 def count_statement(query: ClaimQuery) -> Any:
