@@ -5,11 +5,13 @@ A review action is three things that must go together, in this order:
 1. the store's decision (``review_retry`` / ``review_resolve``), which is the only
    authority: with ``expected_epoch`` it refuses (``Moved``) a claim that moved on since
    the operator looked, and changes nothing;
-2. for a retry, the stored message re-published as it first came, then marked published
-   (what Recover does for a re-dispatch);
-3. the Celery task events that move the task on in Flower, sent on behalf of the claim's
-   last holder (so no phantom node appears): ``task-retried`` (the new attempt's events
-   follow), ``task-succeeded`` or ``task-failed`` naming who resolved it and why.
+2. the Celery task events that move the task on in Flower, sent on behalf of the claim's
+   last holder (so no phantom node appears): ``task-retried``, ``task-succeeded`` or
+   ``task-failed`` naming who resolved it and why;
+3. for a retry, the stored message re-published as it first came, then marked published
+   (what Recover does for a re-dispatch). After the event, so the new attempt's events
+   follow it in Flower. Should the publish fail, the claim stays ``open`` and Recover
+   publishes it again once ``PUBLISH_TTL`` has passed.
 
 Events are a view: failing to send them never undoes the decision (a WARNING says so).
 Every action is logged (who, what, which task) on ``celery_pulse.operator``.
@@ -52,12 +54,14 @@ def retry_review(app: Any, store: Store, task_id: str, *, who: str, note: str | 
     """
     item = store.review_retry(task_id, f"review:{who}", PUBLISH_TTL, who, note,
                               expected_epoch=expected_epoch)
+    # Before the re-publish: the new attempt's events (received, started, succeeded) must
+    # come after this one, or Flower would file the retry over the new attempt's end.
+    _send(app, item.holder, "task-retried", task_id, item,
+          exception=f"Retry({_said('retried from review', who, note)!r})", traceback="")
     republish(app, item)
     store.mark_published([(item.task_id, item.epoch, item.token or "")])
     logger.info("pulse: review retry of %s [%s] by %s: re-published at epoch %d%s",
                 item.task_name, task_id, who, item.epoch, _noted(note))
-    _send(app, item.holder, "task-retried", task_id, item,
-          exception=f"Retry({_said('retried from review', who, note)!r})", traceback="")
     return Decision(task_id, "retry", item.epoch)
 
 

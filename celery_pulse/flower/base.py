@@ -146,6 +146,12 @@ class Pulse:
         return f"{user or 'anonymous'}@{self.request.remote_ip} (flower on " \
                f"{getpass.getuser()}@{socket.gethostname()})"
 
+    def refuse_writes_if_read_only(self) -> None:
+        """Flower's ``--read_only`` turns pulse's actions off too (a 403, nothing changed)."""
+        if self.request.method == "POST" and self.application.options.read_only:
+            raise web.HTTPError(403, "Read only mode is enabled: Flower was started with "
+                                     "--read_only, pulse's actions are off")
+
     def require_browser_xsrf(self) -> None:
         """A browser's POST carries the XSRF token (see the module's docstring)."""
         headers = self.request.headers
@@ -192,13 +198,18 @@ def state_colour(state: str) -> str:
 class PageHandler(Pulse, BaseHandler):
     """A pulse page: Flower's page handler, its templates, auth and XSRF."""
 
+    def prepare(self) -> None:
+        super().prepare()
+        self.refuse_writes_if_read_only()
+
     def check_xsrf_cookie(self) -> None:
         super().check_xsrf_cookie()
         self.require_browser_xsrf()
 
     def render_page(self, template: str, **values: Any) -> None:
         self.render(template, message=self.arg("message"), level=self.arg("level") or "info",
-                    iso=iso, state_colour=state_colour, page_url=self.page_url, **values)
+                    iso=iso, state_colour=state_colour, page_url=self.page_url,
+                    read_only=bool(self.application.options.read_only), **values)
 
     def page_url(self, **replace: str | None) -> str:
         """This page's URL with some arguments replaced (None drops one), e.g. the cursor."""
@@ -212,6 +223,10 @@ class PageHandler(Pulse, BaseHandler):
 
 class ApiHandler(Pulse, BaseApiHandler):
     """A pulse API endpoint: Flower's API handler (``FLOWER_UNAUTHENTICATED_API`` and all)."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.refuse_writes_if_read_only()
 
     def check_xsrf_cookie(self) -> None:
         super().check_xsrf_cookie()

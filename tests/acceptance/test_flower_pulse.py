@@ -33,7 +33,8 @@ from tests.helpers.workers import ROOT, Env, Worker, wait_for
 FAST = {"pulse_worker_ttl": 3, "pulse_heartbeat_interval": 0.5, "pulse_lease_ttl": 3,
         "pulse_renew_interval": 0.5, "pulse_revoke_grace": 2, "pulse_leader_ttl": 3,
         "pulse_leader_interval": 1, "worker_send_task_events": True,
-        "task_send_sent_event": True}
+        "task_send_sent_event": True,
+        "beat_schedule": {"hourly": {"task": "opsapp.noop", "schedule": 3600.0}}}
 ARTIFACTS = ROOT / "test-artifacts"
 #: ``PULSE_DOCS_SCREENSHOTS=1``: the browser test also writes its screenshots to docs/img.
 DOCS_IMG = ROOT / "docs" / "img"
@@ -236,6 +237,24 @@ def test_claims_api_filters_paginates_and_answers_400_naming_valid_values(
     assert 'href="/pulse"' in f.get("/workers").text  # "Pulse" in Flower's own navbar
 
 
+def test_drain_and_undrain_from_the_api_and_the_page(
+        flower: Callable[..., PulseFlower], store: SqlStore) -> None:
+    store.register("w9@host", {"pool": "pulse"}, 60)
+    f = flower(variables=OPEN_API)
+
+    def state() -> str:
+        rows = f.get("/api/pulse/workers").ok()["workers"]
+        return next(str(w["state"]) for w in rows if w["id"] == "w9@host")
+    assert state() == "alive"
+    assert f.post("/api/pulse/worker/drain/w9@host", {}).ok()["draining"] is True
+    assert state() == "draining"
+    assert 'value="undrain"' in f.get("/pulse/workers").text
+    assert f.post("/api/pulse/worker/undrain/w9@host", {}).ok()["draining"] is False
+    assert state() == "alive"
+    missing = f.post("/api/pulse/worker/drain/nobody@host", {})
+    assert missing.status == 404 and "nobody@host" in missing.text
+
+
 # -- review actions: once, and 409 on a claim that moved on -----------------------------------
 
 def test_review_actions_apply_once_and_answer_409_when_the_claim_moved_on(
@@ -290,6 +309,7 @@ def test_review_actions_apply_once_and_answer_409_when_the_claim_moved_on(
     shown = wait_for(lambda: flower_says(failed.task_id, "FAILURE"), 30,
                      "Flower to show the resolved-failed task FAILED", interval=0.5)
     assert "resolved failed by" in shown["exception"] and "refunded" in shown["exception"]
+    assert shown["worker"] == HOLDER  # sent as the claim's last holder: no phantom node
     wait_for(lambda: flower_says(retried.task_id, "RETRY"), 30,
              "Flower to show the retried task RETRY", interval=0.5)
 
@@ -319,6 +339,13 @@ def test_a_forged_post_needs_the_xsrf_token_and_the_api_needs_flowers_auth(
     assert done.status == 200 and "resolved failed" in done.text, done.text
     assert state_of(store, item.task_id)[0] == "failed"
 
+    frozen = flower("--read_only=true", variables=OPEN_API)
+    last = seed(store, review=True)
+    refused = frozen.post("/api/pulse/review/retry", {"task_id": last.task_id})
+    assert refused.status == 403 and "read_only" in refused.text, refused.text
+    assert state_of(store, last.task_id) == (NEEDS_REVIEW, last.epoch)
+    assert 'value="retry"' not in frozen.get("/pulse/review").text
+
     locked = flower("--basic_auth=op:s3cret")
     assert locked.get("/api/pulse/claims").status == 401
     auth = {"Authorization": "Basic " + __import__("base64").b64encode(b"op:s3cret").decode()}
@@ -342,6 +369,15 @@ def test_url_prefix_moves_pages_api_and_navigation_under_it(
 
 
 # -- the acceptance scenario in a real browser --------------------------------------------------
+
+def flower_task_page_shows(page: Any, url: str, state: str) -> None:
+    """Flower's task page is rendered once per load: reload it until it shows ``state``
+    (the events reach Flower a moment after the store has moved)."""
+    def shown() -> bool:
+        page.goto(url)
+        return state in page.locator("body").inner_text()
+    wait_for(shown, 30, f"Flower's task page to show {state}", interval=0.5)
+
 
 def test_browser_kill_9_review_reason_then_retry_runs_once_on_the_other_worker(
         page_env: Env, flower: Callable[..., PulseFlower], store: SqlStore,
@@ -371,6 +407,16 @@ def test_browser_kill_9_review_reason_then_retry_runs_once_on_the_other_worker(
              "b's Recover to move the task to review")
     gate.touch()  # the retried attempt finishes at once
 
+    def beat_shown() -> dict[str, Any] | None:
+        data = f.get("/api/pulse/leader").ok()
+        leader, (entry,) = data["leader"], data["entries"]
+        return data if leader and leader["alive"] and entry["last_slot"] else None
+    beat = wait_for(beat_shown, 30, "the leader page to show the beat leader and its slot")
+    assert beat["leader"]["holder"] in (a_name, b_name) and beat["leader"]["epoch"] >= 1
+    (entry,) = beat["entries"]
+    assert entry["name"] == "hourly"
+    assert entry["next_slot"] == pytest.approx(entry["last_slot"] + 3600, abs=0.01)
+
     shots = [ARTIFACTS] + ([DOCS_IMG] if os.environ.get("PULSE_DOCS_SCREENSHOTS") else [])
 
     def shot(page: Any, name: str) -> None:
@@ -391,8 +437,7 @@ def test_browser_kill_9_review_reason_then_retry_runs_once_on_the_other_worker(
             assert a_name in reason and "lost" in reason, reason
             shot(page, "review")
 
-            page.goto(f.url + f"/task/{task_id}")  # Flower's own task page
-            expect(page.locator("body")).to_contain_text("FAILURE", timeout=30_000)
+            flower_task_page_shows(page, f.url + f"/task/{task_id}", "FAILURE")
             expect(page.locator("body")).to_contain_text("NeedsReview")
             expect(page.locator("body")).to_contain_text(f"{a_name} lost its lease")
             shot(page, "flower-task-in-review")
@@ -417,8 +462,7 @@ def test_browser_kill_9_review_reason_then_retry_runs_once_on_the_other_worker(
             shot(page, "workers")
             page.goto(f.url + "/pulse/leader")
             shot(page, "leader")
-            page.goto(f.url + f"/task/{task_id}")
-            expect(page.locator("body")).to_contain_text("SUCCESS", timeout=30_000)
+            flower_task_page_shows(page, f.url + f"/task/{task_id}", "SUCCESS")
         finally:
             browser.close()
 
