@@ -48,8 +48,10 @@ T = TypeVar("T")
 
 #: Query parameters a claim filter takes (``state`` may repeat or be a comma list).
 FILTERS = ("state", "queue", "task", "worker", "limit", "after")
-#: Beside the filter, what a page or the API may also be given.
-PAGE_PARAMS = ("message", "level", "_xsrf")
+#: Beside its own, what a page may also be given (what an action redirects with) ...
+PAGE_PARAMS = ("message", "level")
+#: ... and what the API may (Flower's own API takes ``refresh``).
+API_PARAMS = ("refresh",)
 MAX_LIMIT = MAX_PAGE
 
 
@@ -111,8 +113,7 @@ class Pulse:
 
     def claim_query(self, *, default_limit: int = 50, states: tuple[str, ...] = ()) -> ClaimQuery:
         """The claim filter of this request; unknown names or values are a 400."""
-        self.known_params(FILTERS + PAGE_PARAMS + ("task_id", "epoch", "all", "outcome",
-                                                   "note", "refresh"))
+        self.known_params(FILTERS)
         given = [s.strip() for v in self.get_arguments("state") for s in v.split(",")
                  if s.strip()]
         unknown = [s for s in given if s not in CLAIM_STATES]
@@ -131,8 +132,12 @@ class Pulse:
                           task_name=self.arg("task"), worker=self.arg("worker"), limit=limit,
                           after=self.arg("after"))
 
-    def known_params(self, known: tuple[str, ...]) -> None:
-        """A parameter this page does not take is a 400 naming the ones it does."""
+    #: What every GET of this kind of handler also takes (a page's, or the API's).
+    extra_params: tuple[str, ...] = ()
+
+    def known_params(self, known: tuple[str, ...] = ()) -> None:
+        """A parameter this GET does not take is a 400 naming the ones it does."""
+        known = known + self.extra_params
         unknown = sorted(set(self.request.arguments) - set(known))
         if unknown:
             raise web.HTTPError(400, f"unknown parameter {', '.join(map(repr, unknown))}; "
@@ -198,6 +203,8 @@ def state_colour(state: str) -> str:
 class PageHandler(Pulse, BaseHandler):
     """A pulse page: Flower's page handler, its templates, auth and XSRF."""
 
+    extra_params = PAGE_PARAMS
+
     def prepare(self) -> None:
         super().prepare()
         self.refuse_writes_if_read_only()
@@ -223,6 +230,8 @@ class PageHandler(Pulse, BaseHandler):
 
 class ApiHandler(Pulse, BaseApiHandler):
     """A pulse API endpoint: Flower's API handler (``FLOWER_UNAUTHENTICATED_API`` and all)."""
+
+    extra_params = API_PARAMS
 
     def prepare(self) -> None:
         super().prepare()

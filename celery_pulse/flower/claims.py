@@ -66,7 +66,7 @@ class ClaimsApi(ApiHandler):
 class ClaimPage(PageHandler):
     @web.authenticated
     async def get(self, task_id: str) -> None:
-        self.known_params(("message", "level"))
+        self.known_params()
         data = await self.call(claim_payload, task_id)
         self.render_page("pulse_claim.html", active="claims", **data)
 
@@ -74,5 +74,5 @@ class ClaimPage(PageHandler):
 class ClaimApi(ApiHandler):
     @web.authenticated
     async def get(self, task_id: str) -> None:
-        self.known_params(("refresh",))
+        self.known_params()
         self.write(await self.call(claim_payload, task_id))

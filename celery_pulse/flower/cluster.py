@@ -94,7 +94,7 @@ def permits_payload(store: SqlStore) -> dict[str, Any]:
 class WorkersPage(PageHandler):
     @web.authenticated
     async def get(self) -> None:
-        self.known_params(("message", "level"))
+        self.known_params()
         data = await self.call(workers_payload)
         self.render_page("pulse_workers.html", active="workers", **data)
 
@@ -118,7 +118,7 @@ class DrainAction(PageHandler):
 class WorkersApi(ApiHandler):
     @web.authenticated
     async def get(self) -> None:
-        self.known_params(("refresh",))
+        self.known_params()
         self.write(await self.call(workers_payload))
 
 
@@ -131,7 +131,7 @@ class DrainApi(ApiHandler):
 class LeaderPage(PageHandler):
     @web.authenticated
     async def get(self) -> None:
-        self.known_params(("message", "level"))
+        self.known_params()
         data = await self.call(leader_payload, self.capp)
         self.render_page("pulse_leader.html", active="leader", **data)
 
@@ -139,14 +139,14 @@ class LeaderPage(PageHandler):
 class LeaderApi(ApiHandler):
     @web.authenticated
     async def get(self) -> None:
-        self.known_params(("refresh",))
+        self.known_params()
         self.write(await self.call(leader_payload, self.capp))
 
 
 class PermitsPage(PageHandler):
     @web.authenticated
     async def get(self) -> None:
-        self.known_params(("message", "level"))
+        self.known_params()
         self.render_page("pulse_permits.html", active="permits",
                          **await self.call(permits_payload))
 
@@ -154,5 +154,5 @@ class PermitsPage(PageHandler):
 class PermitsApi(ApiHandler):
     @web.authenticated
     async def get(self) -> None:
-        self.known_params(("refresh",))
+        self.known_params()
         self.write(await self.call(permits_payload))

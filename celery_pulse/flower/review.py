@@ -17,7 +17,7 @@ from typing import Any
 
 from tornado import web
 
-from celery_pulse.errors import Moved, NotFound, PulseError
+from celery_pulse.errors import Moved, NotFound
 from celery_pulse.flower.base import MAX_LIMIT, ApiHandler, PageHandler, flash
 from celery_pulse.operator import OUTCOMES, Decision, resolve_review, retry_review
 from celery_pulse.store.records import NEEDS_REVIEW, ClaimQuery
@@ -55,9 +55,13 @@ def act(capp: Any, store: SqlStore, action: str, task_ids: list[tuple[str, int |
     return {"action": action, "done": done, "moved": moved}
 
 
+#: Most items one "all matching" action takes (the oldest first; press again for more).
+MAX_BULK = 10_000
+
+
 def matching(store: SqlStore, query: ClaimQuery) -> list[tuple[str, int | None]]:
-    """Every item in review matching ``query``, with the epoch it is at now."""
-    return [(i.task_id, i.epoch) for i in store.list_review(limit=MAX_LIMIT * 20, query=query)]
+    """Every item in review matching ``query`` (up to :data:`MAX_BULK`), at its epoch now."""
+    return [(i.task_id, i.epoch) for i in store.list_review(limit=MAX_BULK, query=query)]
 
 
 class ReviewRequest:
@@ -78,13 +82,13 @@ class ReviewRequest:
             return matching(store, self.query)
         task_id = self.value("task_id")
         if not task_id:
-            raise PulseBadRequest("give task_id (and epoch, the epoch you saw) or all=1 with "
-                                  "the filter (queue, task, worker)")
+            raise web.HTTPError(400, "give task_id (and epoch, the epoch you saw) or all=1 "
+                                     "with the filter (queue, task, worker)")
         epoch = self.value("epoch")
         try:
             return [(task_id, None if epoch is None else int(epoch))]
         except ValueError:
-            raise PulseBadRequest(f"epoch must be an integer, got {epoch!r}") from None
+            raise web.HTTPError(400, f"epoch must be an integer, got {epoch!r}") from None
 
     @property
     def query(self) -> ClaimQuery:
@@ -93,17 +97,10 @@ class ReviewRequest:
                           limit=MAX_LIMIT)
 
 
-class PulseBadRequest(PulseError):
-    """A review action asked for nothing it can do (answered 400)."""
-
-
 def run(store: SqlStore, capp: Any, request: ReviewRequest, action: str, who: str
         ) -> dict[str, Any]:
     """The action on its targets (``PulseContext``'s call passes the store first)."""
-    try:
-        targets = request.targets(store)
-    except PulseBadRequest as exc:
-        raise web.HTTPError(400, str(exc)) from None
+    targets = request.targets(store)  # an HTTPError (400) for a request naming nothing
     result = act(capp, store, action, targets, who, request.value("note"))
     result["matched"] = len(targets)
     return result
