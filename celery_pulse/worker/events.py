@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +38,8 @@ from celery_pulse.worker.loop import LoopCaller
 # Logger name kept from before the move (operators' logging configurations name it).
 logger = logging.getLogger("celery_pulse.bootsteps.runtime")
 
+#: Seconds an ``emit(wait=...)`` does not wait after one timed out.
+NO_WAIT = 30.0
 #: The event a stale attempt's end is sent as.
 ATTEMPT_ENDED = "pulse-attempt-ended"
 #: Celery's task events that end an attempt in Flower, and the outcome each names.
@@ -169,6 +172,7 @@ class WorkerEvents:
         self._loop = loop
         self._consumer = consumer
         self._warned: set[str] = set()
+        self._no_wait_until = 0.0
 
     def dispatcher(self) -> Any:
         """The consumer's dispatcher if it sends events now, else None."""
@@ -193,8 +197,14 @@ class WorkerEvents:
             finally:
                 sent.set()
         self._loop().call(send)
-        if wait > 0 and not sent.wait(wait):
-            logger.debug("pulse: %s event not sent within %gs: not waiting longer", event, wait)
+        if wait <= 0 or time.monotonic() < self._no_wait_until:
+            return
+        if not sent.wait(wait):
+            # The loop is busy or stuck (a broker reconnect): Recover's batch must not
+            # wait that long for every task in it. It stops waiting for a while.
+            self._no_wait_until = time.monotonic() + NO_WAIT
+            logger.debug("pulse: %s event not sent within %gs: not waiting for events "
+                         "for %gs", event, wait, NO_WAIT)
 
     def _send(self, event: str, hostname: str, fields: dict[str, Any], flush: bool) -> None:
         dispatcher = self.dispatcher()

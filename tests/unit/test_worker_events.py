@@ -114,3 +114,26 @@ def test_a_stale_attempts_end_is_sent_as_pulse_attempt_ended(dispatcher: Any, ho
         assert event["type"] == "pulse-attempt-ended", event
         assert (event["uuid"], event["epoch"], event["outcome"], event["reason"]) == (
             "t1", 1, outcome, "taken over")
+
+
+class _StuckHub:
+    """An event loop that never runs what it is handed (a loop blocked by a reconnect)."""
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        pass
+
+
+def test_a_stuck_loop_makes_recover_wait_once_not_for_every_task(dispatcher: Any) -> None:
+    import time
+
+    consumer = SimpleNamespace(event_dispatcher=dispatcher)
+    loop = LoopCaller(_StuckHub())
+    events = WorkerEvents("w1@h", lambda: loop, lambda: consumer)
+    began = time.monotonic()
+    events.emit("task-retried", hostname="lost@h", uuid="t1", wait=0.3)
+    first = time.monotonic() - began
+    began = time.monotonic()
+    for task_id in ("t2", "t3", "t4"):
+        events.emit("task-retried", hostname="lost@h", uuid=task_id, wait=0.3)
+    rest = time.monotonic() - began
+    assert first >= 0.3 and rest < 0.3, (first, rest)
