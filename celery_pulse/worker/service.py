@@ -26,6 +26,7 @@ from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.recover import Recoverer
 from celery_pulse.settings import Settings
+from celery_pulse.store import records
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
@@ -314,10 +315,11 @@ class PulseWorker:
         lost = item.epoch - 1
         # A ``reason``, not an ``exception``: Flower keeps a task's last exception through
         # its later states, and the attempt that succeeds next raised nothing.
+        what = ("lost its lease" if item.was == records.RUNNING
+                else "never started it (reservation expired or released)")
         self.events.emit("task-retried", hostname=item.holder, wait=ANNOUNCE_WAIT,
                          uuid=item.task_id, pulse_epoch=lost, pulse_attempt=item.attempts,
-                         reason=f"holder {item.holder} lost its lease at epoch {lost}: "
-                                "re-dispatched")
+                         reason=f"holder {item.holder} {what} at epoch {lost}: re-dispatched")
 
     def on_recovered(self, item: Recovered) -> None:
         if item.state == FAILED:
