@@ -301,3 +301,26 @@ def test_paused_workers_stale_attempt_never_overwrites_the_state_of_the_current_
     assert task.state == "SUCCESS", task.state
     assert task.failed is None and task.exception is None and task.traceback is None
     assert task.pulse_epoch == RERUN and task.worker.hostname == B
+
+
+def test_killed_workers_task_with_no_attempt_left_is_failed_as_budget_exhausted(
+        eenv: Callable[[str], Env], rabbitmq_url: str, workers: Callable[..., Worker],
+        receiver: Callable[[str], EventLog], client: Callable[[str], Celery],
+        tmp_path: Path) -> None:
+    env = eenv(rabbitmq_url)
+    log = receiver(rabbitmq_url)
+    journal, gate = tmp_path / "journal", tmp_path / "gate"
+    a = start(workers, env, A)
+    task_id = held_task(client(rabbitmq_url), env, "eventsapp.once", journal, gate)
+    log.wait("task-started", SOON, uuid=task_id, hostname=A)
+    b = start(workers, env, B)
+
+    a.kill()
+    failed = log.wait("task-failed", BOUND, uuid=task_id, alive=lambda: assert_alive(b))
+    assert failed["hostname"] == A and failed["pulse_epoch"] == 1
+    assert failed["exception"] == (f"Terminal('attempt budget exhausted for task {task_id}: "
+                                   "failed, not run')")
+    log.wait("pulse-task-recovered", SOON, uuid=task_id, state="failed", holder=A)
+    task = log.state().tasks[task_id]
+    assert task.state == "FAILURE" and "budget exhausted" in task.exception
+    assert len(started(journal, task_id)) == 1

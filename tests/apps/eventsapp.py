@@ -74,3 +74,9 @@ def plain(self: Any, path: str, seconds: float, gate: str) -> str:
 def limited(self: Any, path: str, seconds: float, gate: str) -> str:
     """Limited by the test's ``pulse_concurrency_limits``."""
     return _run(self, path, seconds, gate)
+
+
+@app.task(name="eventsapp.once", bind=True, acks_late=True, pulse_max_attempts=1)
+def once(self: Any, path: str, seconds: float, gate: str) -> str:
+    """acks_late with a budget of one attempt: a lost attempt leaves none to re-dispatch."""
+    return _run(self, path, seconds, f"{gate}.{_epoch()}")
