@@ -14,7 +14,7 @@ The rules, before the code:
   for watching, never in the way of the work.
 * Task events of a leased request carry ``pulse_epoch`` and ``pulse_attempt`` (the claim's
   attempts count): ``task-received`` through :class:`ReceivedEventer` (Celery's strategy
-  sends it), every later one through the request's :class:`AttemptEventer`.
+  sends it), every later one through the request's :class:`AttemptEvents`.
 * A stale attempt (its lease lost, or its local deadline passed) never sends
   ``task-succeeded``, ``task-failed``, ``task-retried`` or ``task-revoked``: Flower's
   state machine would merge them into the current attempt's state (a FAILURE after a
@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +38,8 @@ from celery_pulse.worker.loop import LoopCaller
 # Logger name kept from before the move (operators' logging configurations name it).
 logger = logging.getLogger("celery_pulse.bootsteps.runtime")
 
+#: Seconds an ``emit(wait=...)`` does not wait after one timed out.
+NO_WAIT = 30.0
 #: The event a stale attempt's end is sent as.
 ATTEMPT_ENDED = "pulse-attempt-ended"
 #: Celery's task events that end an attempt in Flower, and the outcome each names.
@@ -59,47 +63,48 @@ def attempt_ended(claim: LocalClaim, outcome: str, exception: str | None = None
     return fields
 
 
-class AttemptEventer:
-    """The event dispatcher one leased request sends through (its ``_eventer``).
+class AttemptEvents:
+    """A leased request's ``send_event``, set on the request by the pool.
 
     Adds the attempt to each task event; turns a stale attempt's end into
-    ``pulse-attempt-ended``. Anything else is the wrapped dispatcher's.
+    ``pulse-attempt-ended``. It replaces the request's method, not its dispatcher:
+    Celery points the request's ``eventer`` at a new dispatcher after a broker
+    reconnect, and a running task's end goes out through that one, still rewritten.
     """
 
-    __slots__ = ("claim", "dispatcher", "is_live")
+    __slots__ = ("claim", "is_live", "request")
 
-    def __init__(self, dispatcher: Any, claim: LocalClaim,
+    def __init__(self, request: Any, claim: LocalClaim,
                  is_live: Callable[[LocalClaim], bool]) -> None:
-        self.dispatcher = dispatcher
+        self.request = weakref.ref(request)  # the request holds this: no cycle
         self.claim = claim
         self.is_live = is_live
 
-    @property
-    def enabled(self) -> bool:
-        return bool(getattr(self.dispatcher, "enabled", False))
-
-    def send(self, type: str, uuid: str | None = None, **fields: Any) -> Any:
+    def __call__(self, type: str, **fields: Any) -> Any:
+        request = self.request()
+        if request is None:
+            return None
+        eventer = request.eventer
+        if not (eventer and eventer.enabled and request.task.send_events):
+            return None  # as Celery's own ``Request.send_event``
         claim = self.claim
         outcome = ENDS.get(type)
         if outcome is not None and is_stale(claim, self.is_live):
             logger.info("pulse: task %s epoch %d ended %s as a stale attempt: sent as %s",
                         claim.task_id, claim.epoch, outcome, ATTEMPT_ENDED)
-            return self.dispatcher.send(ATTEMPT_ENDED, uuid=uuid, **attempt_ended(
+            return eventer.send(ATTEMPT_ENDED, uuid=request.id, **attempt_ended(
                 claim, outcome, fields.get("exception")))
         if type.startswith("task-"):
             fields.update(pulse_epoch=claim.epoch, pulse_attempt=claim.attempts)
-        return self.dispatcher.send(type, uuid=uuid, **fields)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.dispatcher, name)
+        return eventer.send(type, uuid=request.id, **fields)
 
 
 class ReceivedEventer:
     """The dispatcher Celery's strategy for leased tasks is built with.
 
     The strategy sends ``task-received`` while the intake hands it the granted claim
-    (:func:`handing`); that event gets the claim's attempt. Requests keep this dispatcher
-    until the pool gives them their :class:`AttemptEventer`.
+    (:func:`handing`); that event gets the claim's attempt. The pool gives each request
+    its :class:`AttemptEvents` for the events after that.
     """
 
     def __init__(self, dispatcher: Any) -> None:
@@ -167,6 +172,7 @@ class WorkerEvents:
         self._loop = loop
         self._consumer = consumer
         self._warned: set[str] = set()
+        self._no_wait_until = 0.0
 
     def dispatcher(self) -> Any:
         """The consumer's dispatcher if it sends events now, else None."""
@@ -191,8 +197,14 @@ class WorkerEvents:
             finally:
                 sent.set()
         self._loop().call(send)
-        if wait > 0 and not sent.wait(wait):
-            logger.debug("pulse: %s event not sent within %gs: not waiting longer", event, wait)
+        if wait <= 0 or time.monotonic() < self._no_wait_until:
+            return
+        if not sent.wait(wait):
+            # The loop is busy or stuck (a broker reconnect): Recover's batch must not
+            # wait that long for every task in it. It stops waiting for a while.
+            self._no_wait_until = time.monotonic() + NO_WAIT
+            logger.debug("pulse: %s event not sent within %gs: not waiting for events "
+                         "for %gs", event, wait, NO_WAIT)
 
     def _send(self, event: str, hostname: str, fields: dict[str, Any], flush: bool) -> None:
         dispatcher = self.dispatcher()

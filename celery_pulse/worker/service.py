@@ -19,13 +19,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_pulse.beat import Beat
-from celery_pulse.errors import LeaseLost, NeedsReview, Terminal
+from celery_pulse.errors import NeedsReview, Terminal
 from celery_pulse.leader import LeaderElector
 from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.recover import Recoverer
 from celery_pulse.settings import Settings
+from celery_pulse.store import records
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
@@ -312,11 +313,13 @@ class PulseWorker:
         if item.was == OPEN or item.holder is None:
             return  # taken from a scanner that died before publishing: no attempt to end
         lost = item.epoch - 1
-        reason = LeaseLost(f"holder {item.holder} lost its lease at epoch {lost}: "
-                           f"re-dispatched as epoch {item.epoch}")
+        # A ``reason``, not an ``exception``: Flower keeps a task's last exception through
+        # its later states, and the attempt that succeeds next raised nothing.
+        what = ("lost its lease" if item.was == records.RUNNING
+                else "never started it (reservation expired or released)")
         self.events.emit("task-retried", hostname=item.holder, wait=ANNOUNCE_WAIT,
-                         uuid=item.task_id, exception=repr(reason), traceback=None,
-                         pulse_epoch=lost, pulse_attempt=item.attempts)
+                         uuid=item.task_id, pulse_epoch=lost, pulse_attempt=item.attempts,
+                         reason=f"holder {item.holder} {what} at epoch {lost}: re-dispatched")
 
     def on_recovered(self, item: Recovered) -> None:
         if item.state == FAILED:
