@@ -56,8 +56,11 @@ def retry_review(app: Any, store: Store, task_id: str, *, who: str, note: str | 
                               expected_epoch=expected_epoch)
     # Before the re-publish: the new attempt's events (received, started, succeeded) must
     # come after this one, or Flower would file the retry over the new attempt's end.
+    # Who and why as a reason, and the exception emptied: Flower keeps a task's last
+    # exception through later events, and the NeedsReview that put the task in review
+    # would still show on the new attempt's success.
     _send(app, item.holder, "task-retried", task_id, item,
-          exception=f"Retry({_said('retried from review', who, note)!r})", traceback="")
+          reason=_said("retried from review", who, note), exception="", traceback="")
     republish(app, item)
     store.mark_published([(item.task_id, item.epoch, item.token or "")])
     logger.info("pulse: review retry of %s [%s] by %s: re-published at epoch %d%s",
