@@ -341,6 +341,10 @@ def test_a_forged_post_needs_the_xsrf_token_and_the_api_needs_flowers_auth(
                 {**form, "action": "failed", "_xsrf": token}, opener=browser)
     assert done.status == 200 and "resolved failed" in done.text, done.text
     assert state_of(store, item.task_id)[0] == "failed"
+    twice = http("POST", f.url + "/pulse/review/action",
+                 {**form, "action": "succeeded", "_xsrf": token}, opener=browser)
+    assert twice.status == 200 and "nothing was changed" in twice.text, twice.text
+    assert state_of(store, item.task_id)[0] == "failed"
 
     frozen = flower("--read_only=true", variables=OPEN_API)
     last = seed(store, review=True)
@@ -358,6 +362,8 @@ def test_a_forged_post_needs_the_xsrf_token_and_the_api_needs_flowers_auth(
     assert ok.status == 200, ok.text
     detail = store.claim_detail(other.task_id)
     assert detail is not None and detail.reviews[-1].decided_by.startswith("op@")
+    logged = f"pulse: review retry of page.charge [{other.task_id}] by op@"
+    wait_for(lambda: logged in locked.log_path.read_text(), 10, "the action in Flower's log")
 
 
 def test_url_prefix_moves_pages_api_and_navigation_under_it(
