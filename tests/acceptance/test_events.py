@@ -200,14 +200,14 @@ def test_every_documented_pulse_event_type_reaches_a_receiver(
 
 # -- truthful task states -------------------------------------------------------------------
 def test_killed_workers_started_review_task_is_failed_with_needs_review_as_that_worker(
-        eenv: Callable[[str], Env], rabbitmq_url: str, workers: Callable[..., Worker],
+        eenv: Callable[[str], Env], broker: str, workers: Callable[..., Worker],
         receiver: Callable[[str], EventLog], client: Callable[[str], Celery],
         tmp_path: Path) -> None:
-    env = eenv(rabbitmq_url)
-    log = receiver(rabbitmq_url)
+    env = eenv(broker)
+    log = receiver(broker)
     journal, gate = tmp_path / "journal", tmp_path / "gate"
     a = start(workers, env, A)
-    task_id = held_task(client(rabbitmq_url), env, "eventsapp.plain", journal, gate)
+    task_id = held_task(client(broker), env, "eventsapp.plain", journal, gate)
     log.wait("task-started", SOON, uuid=task_id, hostname=A)
     b = start(workers, env, B)
 
@@ -233,14 +233,14 @@ def repr_needs_review(holder: str, epoch: int) -> str:
 
 
 def test_killed_workers_acks_late_task_is_retried_then_the_new_attempt_succeeds(
-        eenv: Callable[[str], Env], rabbitmq_url: str, workers: Callable[..., Worker],
+        eenv: Callable[[str], Env], broker: str, workers: Callable[..., Worker],
         receiver: Callable[[str], EventLog], client: Callable[[str], Celery],
         tmp_path: Path) -> None:
-    env = eenv(rabbitmq_url)
-    log = receiver(rabbitmq_url)
+    env = eenv(broker)
+    log = receiver(broker)
     journal, gate = tmp_path / "journal", tmp_path / "gate"
     a = start(workers, env, A)
-    task_id = held_task(client(rabbitmq_url), env, "eventsapp.late", journal, gate)
+    task_id = held_task(client(broker), env, "eventsapp.late", journal, gate)
     log.wait("task-started", SOON, uuid=task_id, hostname=A)
     b = start(workers, env, B)
     Path(f"{gate}.{RERUN}").touch()
@@ -263,17 +263,17 @@ def test_killed_workers_acks_late_task_is_retried_then_the_new_attempt_succeeds(
 
 
 def test_paused_workers_stale_attempt_never_overwrites_the_state_of_the_current_one(
-        eenv: Callable[[str], Env], rabbitmq_url: str, workers: Callable[..., Worker],
+        eenv: Callable[[str], Env], broker: str, workers: Callable[..., Worker],
         receiver: Callable[[str], EventLog], client: Callable[[str], Celery],
         tmp_path: Path) -> None:
     """A paused worker's channel stays open, and the broker would hand it the
     re-dispatched delivery as readily as the live worker's: A stops consuming first
     (Celery's ``cancel_consumer``), so the new attempt runs on B."""
-    env = eenv(rabbitmq_url)
-    log = receiver(rabbitmq_url)
+    env = eenv(broker)
+    log = receiver(broker)
     journal, gate = tmp_path / "journal", tmp_path / "gate"
     a = start(workers, env, A)
-    producer = client(rabbitmq_url)
+    producer = client(broker)
     task_id = held_task(producer, env, "eventsapp.late", journal, gate)
     log.wait("task-started", SOON, uuid=task_id, hostname=A)
     b = start(workers, env, B)
@@ -304,14 +304,14 @@ def test_paused_workers_stale_attempt_never_overwrites_the_state_of_the_current_
 
 
 def test_killed_workers_task_with_no_attempt_left_is_failed_as_budget_exhausted(
-        eenv: Callable[[str], Env], rabbitmq_url: str, workers: Callable[..., Worker],
+        eenv: Callable[[str], Env], broker: str, workers: Callable[..., Worker],
         receiver: Callable[[str], EventLog], client: Callable[[str], Celery],
         tmp_path: Path) -> None:
-    env = eenv(rabbitmq_url)
-    log = receiver(rabbitmq_url)
+    env = eenv(broker)
+    log = receiver(broker)
     journal, gate = tmp_path / "journal", tmp_path / "gate"
     a = start(workers, env, A)
-    task_id = held_task(client(rabbitmq_url), env, "eventsapp.once", journal, gate)
+    task_id = held_task(client(broker), env, "eventsapp.once", journal, gate)
     log.wait("task-started", SOON, uuid=task_id, hostname=A)
     b = start(workers, env, B)
 
