@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from flower.app import Flower, rewrite_handler
+from flower.urls import settings as flower_settings
 from tornado.web import url
 
 from celery_pulse.flower import claims, cluster, review
@@ -46,8 +47,10 @@ def extend(flower: Any) -> Any:
     handlers = [rewrite_handler(h, prefix) for h in HANDLERS] if prefix else list(HANDLERS)
     # Before Flower's own rules: its last one answers 404 to every path.
     flower.add_handlers(r".*", handlers)
+    # Flower's own folder unless the deployment gave its application another.
     flower.settings["template_loader"] = PulseLoader(
-        flower.settings["template_path"], **_loader_options(flower.settings))
+        flower.settings.get("template_path") or flower_settings["template_path"],
+        **_loader_options(flower.settings))
     flower.settings["pulse"] = PulseContext(flower.capp)
     return flower
 
