@@ -67,9 +67,12 @@ class PulseContext:
         """The store, opened on first use; a failure is retried on the next request."""
         with self._lock:
             if self._store is None:
-                settings = Settings.from_conf(self.capp.conf)
-                self._store = open_store(settings.store_url, settings.store_connect_timeout,
-                                         check_schema=True)
+                try:
+                    settings = Settings.from_conf(self.capp.conf)
+                    self._store = open_store(settings.store_url,
+                                             settings.store_connect_timeout, check_schema=True)
+                except PulseError as exc:  # the server's configuration or store: a 503
+                    raise web.HTTPError(503, f"pulse store: {exc}") from exc
             return self._store
 
     def close(self) -> None:

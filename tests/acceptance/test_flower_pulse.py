@@ -377,6 +377,16 @@ def test_url_prefix_moves_pages_api_and_navigation_under_it(
     assert http("GET", f.root + "/api/pulse/review").status == 404
 
 
+def test_a_store_without_schema_is_a_503_saying_so_and_flower_still_serves(
+        flower: Callable[..., PulseFlower], tmp_path: Path) -> None:
+    empty = f"sqlite:///{tmp_path / 'never-migrated.sqlite3'}"
+    f = flower(variables={**OPEN_API, "PULSE_TEST_STORE": empty})
+    answer = f.get("/api/pulse/claims")
+    assert answer.status == 503 and "pulse migrate" in answer.json()["error"], answer.text
+    assert f.get("/pulse/review").status == 503
+    assert f.get("/workers").status == 200  # Flower's own pages do not need the store
+
+
 # -- the acceptance scenario in a real browser --------------------------------------------------
 
 def flower_task_page_shows(page: Any, url: str, state: str) -> None:
