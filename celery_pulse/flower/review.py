@@ -28,9 +28,11 @@ ACTIONS = ("retry", *OUTCOMES)
 
 
 def review_payload(store: SqlStore, query: ClaimQuery) -> dict[str, Any]:
-    """The items in review matching the filter, oldest first, each with its reason."""
+    """The items in review matching the filter, oldest first, each with its reason, and
+    how many match in all (an "all matching" action takes them all, not just this page)."""
     items = store.list_review(limit=query.limit, query=query)
-    return {"now": store.now(), "items": [dataclasses.asdict(i) for i in items]}
+    total = store.find_claims(dataclasses.replace(query, limit=1, after=None)).total
+    return {"now": store.now(), "total": total, "items": [dataclasses.asdict(i) for i in items]}
 
 
 def act(capp: Any, store: SqlStore, action: str, task_ids: list[tuple[str, int | None]],

@@ -263,6 +263,7 @@ def test_review_actions_apply_once_and_answer_409_when_the_claim_moved_on(
     bulk = [seed(store, review=True, name="page.bulk") for _ in range(2)]
     f = flower(variables=OPEN_API)
 
+    assert f.get("/api/pulse/review?limit=2").ok()["total"] == 4
     items = {i["task_id"]: i for i in f.get("/api/pulse/review").ok()["items"]}
     assert set(items) == {failed.task_id, retried.task_id, *(g.task_id for g in bulk)}
     assert "the card network timed out" in items[failed.task_id]["reason"]
