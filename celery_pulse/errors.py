@@ -77,6 +77,14 @@ class Terminal(PulseError):
     """The task has already finished; it must not run again."""
 
 
+class NeedsReview(PulseError):
+    """A started attempt lost its lease and its task may not run twice: outcome unknown.
+
+    Sent in the ``task-failed`` event Recover sends on the lost attempt's behalf, so
+    Flower shows the task failed with the reason; ``celery pulse review`` decides it.
+    """
+
+
 class NotFound(PulseError):
     """No such record in the pulse store."""
 

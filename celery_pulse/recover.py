@@ -33,7 +33,11 @@ logger = logging.getLogger(__name__)
 
 
 class RecoverListener(Protocol):
-    def on_recovered(self, item: Recovered) -> None: ...
+    def on_redispatching(self, item: Recovered) -> None:
+        """Recover took ``item`` back (not a requeue) and is about to re-publish it."""
+
+    def on_recovered(self, item: Recovered) -> None:
+        """Recover took ``item`` back (and re-published it, if ``open``)."""
 
 
 class Recoverer(Service):
@@ -126,6 +130,11 @@ class Recoverer(Service):
         published: list[LeaseKey] = []
         for item in taken:
             if item.state == OPEN and item.token is not None:
+                if not requeued:
+                    try:
+                        self.listener.on_redispatching(item)
+                    except Exception:
+                        logger.exception("pulse: recover listener failed")
                 try:
                     self.publish(item)
                 except Exception as exc:

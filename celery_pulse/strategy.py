@@ -12,8 +12,10 @@ from celery.worker.strategy import default
 
 
 def factory(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
-    inner = default(task, app, consumer, **kwargs)
     pulse = getattr(consumer.controller, "pulse", None)
     if pulse is None:
-        return inner
-    return pulse.intake(consumer).wrap(task, inner)
+        return default(task, app, consumer, **kwargs)
+    intake = pulse.intake(consumer)
+    # Celery's strategy sees the consumer with pulse's event dispatcher, so that the
+    # task events of leased requests carry their attempt (celery_pulse.worker.events).
+    return intake.wrap(task, default(task, app, intake.strategy_consumer(), **kwargs))

@@ -14,6 +14,7 @@ them into the ``pulse`` group:
 * :mod:`.review`: ``review [retry|resolve]`` (tasks with an unknown outcome);
 * :mod:`.schedule`: ``schedule ...`` (dynamic beat entries); :mod:`.beat`: ``beat``;
 * :mod:`.credentials`: ``credentials ...``; :mod:`.gateway`: ``gateway``;
+* :mod:`.flower`: ``flower`` (Flower with the Pulse page, :mod:`celery_pulse.flower`);
 * shared by all: :mod:`.context` (settings, the store, who acts) and :mod:`.format`
   (what people read).
 """
@@ -27,6 +28,7 @@ import click
 from celery_pulse.cli.beat import beat_command
 from celery_pulse.cli.claims import claims
 from celery_pulse.cli.credentials import credentials
+from celery_pulse.cli.flower import flower_command
 from celery_pulse.cli.gateway import gateway_command
 from celery_pulse.cli.migrate import migrate
 from celery_pulse.cli.review import review
@@ -57,6 +59,7 @@ pulse.add_command(beat_command)
 pulse.add_command(schedule)
 pulse.add_command(credentials)
 pulse.add_command(gateway_command)
+pulse.add_command(flower_command)
 
 
 def main() -> None:  # pragma: no cover - a direct entry to the group, outside `celery`

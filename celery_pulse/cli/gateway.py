@@ -23,6 +23,9 @@ from celery_pulse.store.records import Recovered
 class _RecoverLog:
     """What the gateway's Recover took over, in its log."""
 
+    def on_redispatching(self, item: Recovered) -> None:
+        """Nothing before the publish: the log line follows it."""
+
     def on_recovered(self, item: Recovered) -> None:
         click.echo(f"pulse gateway: recovered {item.task_name}[{item.task_id}] epoch "
                    f"{item.epoch}: {item.was} -> {item.state}", err=True)

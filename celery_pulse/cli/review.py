@@ -2,7 +2,9 @@
 
 A task lands here when it started and nobody can say how it ended (policy ``review``):
 only a human can tell whether it ran, so the commands list it, run it once more, or
-close it. Each action records who took it (``user@host``) and the note given.
+close it. Each action records who took it (``user@host``) and the note given, and goes
+through :mod:`celery_pulse.operator` (as the Pulse page's buttons do): the store's
+decision, the re-publish, the task events Flower shows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import click
 
 from celery_pulse.cli import format as fmt
 from celery_pulse.cli.context import echo_json, echo_lines, opened_store, who
+from celery_pulse.operator import resolve_review, retry_review
 from celery_pulse.store.records import NEEDS_REVIEW
 from celery_pulse.store.sql import SqlStore
 from celery_pulse.timefmt import iso
@@ -57,26 +60,30 @@ def review(ctx: click.Context, as_json: bool) -> None:
 @review.command("retry")
 @click.argument("task_id")
 @click.option("--note", default=None, help="Why (kept for audit).")
+@click.option("--epoch", "expected_epoch", type=int, default=None,
+              help="The epoch you looked at: refuse if the claim moved on since.")
 @click.pass_context
-def review_retry(ctx: click.Context, task_id: str, note: str | None) -> None:
+def review_retry(ctx: click.Context, task_id: str, note: str | None,
+                 expected_epoch: int | None) -> None:
     """Re-publish a needs-review (or failed) task for one more attempt."""
-    from celery_pulse.bootsteps.publish import republish
-
-    app = ctx.obj.app
-    with opened_store(ctx) as store:
-        item = store.review_retry(task_id, f"review:{who()}", 60.0, who(), note)
-        republish(app, item)
-        store.mark_published([(item.task_id, item.epoch, item.token or "")])
-    click.echo(f"{task_id} re-published (epoch {item.epoch})")
+    with opened_store(ctx) as store:  # Moved, like any store error: 'Error: ...', exit 1
+        done = retry_review(ctx.obj.app, store, task_id, who=who(), note=note,
+                            expected_epoch=expected_epoch)
+    click.echo(f"{task_id} re-published (epoch {done.epoch})")
 
 
 @review.command("resolve")
 @click.argument("task_id")
 @click.option("--outcome", type=click.Choice(["succeeded", "failed"]), required=True)
 @click.option("--note", default=None, help="Why (kept for audit).")
+@click.option("--epoch", "expected_epoch", type=int, default=None,
+              help="The epoch you looked at: refuse if the claim moved on since.")
 @click.pass_context
-def review_resolve(ctx: click.Context, task_id: str, outcome: str, note: str | None) -> None:
+def review_resolve(ctx: click.Context, task_id: str, outcome: str, note: str | None,
+                   expected_epoch: int | None) -> None:
     """Close a needs-review task by hand."""
-    with opened_store(ctx) as store:
-        store.review_resolve(task_id, outcome, who(), note)
+    with opened_store(ctx) as store:  # Moved, like any store error: 'Error: ...', exit 1
+        resolve_review(ctx.obj.app, store, task_id, outcome, who=who(), note=note,
+                       expected_epoch=expected_epoch)
     click.echo(f"{task_id} resolved as {outcome}")
+

@@ -41,6 +41,9 @@ class LocalClaim:
     deadline: float
     retries: int = 0
     state: str = RESERVED
+    #: The claim's attempts count with this grant (its reservations so far, this one
+    #: included): the attempt number task events carry.
+    attempts: int = 0
     #: Held in memory until an ETA/countdown: does not count against prefetch.
     scheduled: bool = False
     pid: int | None = None

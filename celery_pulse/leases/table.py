@@ -57,12 +57,19 @@ class ClaimTable:
     def add(self, grant: Grant, sent_at: float, retries: int, scheduled: bool,
             start_in_background: bool = False, publication: str | None = None,
             message: Any = None) -> LocalClaim:
+        old = self.get(grant.task_id)
+        if old is not None and old.state != LOST:
+            # Past its deadline (the intake lets only such a one be granted again): a
+            # stale attempt that may still run. Lost now, so its body gets LeaseLost (and
+            # a hard stop after the grace), not left running unseen once it is replaced.
+            self.lose(old, f"superseded: this worker was granted epoch {grant.epoch}")
         claim = LocalClaim(grant.task_id, grant.epoch, grant.token,
                            sent_at + self.ttl - self.margin, retries,
                            state=RUNNING if grant.started else RESERVED, scheduled=scheduled,
                            counted=not scheduled,
                            start_in_background=start_in_background,
-                           publication=publication, message=message)
+                           publication=publication, message=message,
+                           attempts=grant.attempts)
         with self._lock:
             if self._unsettled.get(grant.task_id) == grant:
                 del self._unsettled[grant.task_id]

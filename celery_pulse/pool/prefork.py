@@ -34,6 +34,7 @@ from celery_pulse.errors import PulseError
 from celery_pulse.leases import LOST, RUNNING, WAITING, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.store.base import LeaseKey, ResultRecord
+from celery_pulse.worker.events import AttemptEvents
 from celery_pulse.worker.ports import WorkerForPool
 from celery_pulse.worker.verdict import bound_claim
 
@@ -97,6 +98,9 @@ class TaskPool(prefork.TaskPool):
             self._release_permit()
             return None
         claim.request = request
+        if not isinstance(getattr(request, "send_event", None), AttemptEvents):
+            # Its task events carry the attempt; a stale attempt's end is not Flower's.
+            request.send_event = AttemptEvents(request, claim, pulse.keeper.is_live)  # type: ignore[union-attr]
         if claim.permits is None:
             claim.permits = pulse.permits(request)
         options["accept_callback"] = self._on_accepted(claim, options.get("accept_callback"))

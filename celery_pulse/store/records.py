@@ -320,7 +320,8 @@ class Recovered:
     """A claim Recover (or a reviewer) took over.
 
     ``state`` is ``open`` (re-publish ``message``, then :meth:`RecoverStore.mark_published`
-    with ``epoch``/``token``), ``needs_review`` or ``failed`` (budget spent).
+    with ``epoch``/``token``), ``needs_review`` or ``failed`` (budget spent). ``epoch`` is
+    the new one; the attempt that was lost held ``epoch - 1``, as ``holder``.
     """
 
     task_id: str
@@ -331,6 +332,9 @@ class Recovered:
     token: str | None
     attempts: int
     message: Message
+    #: Who held the claim before it was taken over (the holder that lost its lease, the
+    #: worker that requeued it, the last holder of a reviewed task); None if nobody did.
+    holder: str | None = None
 
     def __repr__(self) -> str:
         return (f"Recovered(task_id={self.task_id!r}, state={self.state!r}, was={self.was!r}, "

@@ -24,7 +24,7 @@ docs/concepts/leases.md ("Where Celery can take a request away"):
   limit): :meth:`~RequestEnds.failed`;
 * its lease was lost: :meth:`~RequestEnds.lease_lost`, and
   :meth:`~RequestEnds.lost_attempt_stopped` for a process that died stale (the store
-  decides);
+  decides; watchers get ``pulse-attempt-ended``, never a ``task-failed``);
 * pulse drops it before its body (lease lost, start refused):
   :meth:`~RequestEnds.not_run` (the store decides);
 * the broker connection is lost: :meth:`~RequestEnds.connection_lost` (released).
@@ -50,6 +50,7 @@ from celery.worker import state as worker_state
 from celery_pulse.errors import LeaseLost
 from celery_pulse.leases import LOST, RUNNING, LocalClaim
 from celery_pulse.store.base import FAILED, RETRY, REVOKED, SUCCEEDED
+from celery_pulse.worker.events import ATTEMPT_ENDED, attempt_ended
 from celery_pulse.worker.ports import WorkerForExits
 
 # Logger names kept from before the move (operators' logging configurations name them):
@@ -181,10 +182,11 @@ class RequestEnds:
         request = claim.request
         if request is not None:
             worker_state.task_ready(request)
-            # Flower still sees the attempt end (an event, not a result).
-            request.send_event("task-failed", exception=repr(LeaseLost(
+            # Watchers still see the attempt end, as a pulse event: a task-failed would
+            # overwrite the current attempt's state in Flower.
+            request.send_event(ATTEMPT_ENDED, **attempt_ended(claim, "failed", repr(LeaseLost(
                 f"lease lost for task {claim.task_id} epoch {claim.epoch}: "
-                f"hard-stopped ({claim.lost_reason})")))
+                f"hard-stopped ({claim.lost_reason})"))))
 
     def not_run(self, claim: LocalClaim, request: Any, why: str) -> None:
         """pulse drops a job before its body runs (its lease was lost, the store refused

@@ -33,6 +33,7 @@ from celery_pulse.messages import capture, policy_for, publication_of
 from celery_pulse.store.base import Grant, Refusal, ReserveRequest
 from celery_pulse.worker import screen
 from celery_pulse.worker.end_waiters import EndWaiters
+from celery_pulse.worker.events import ReceivedEventer, handing, strategy_view
 from celery_pulse.worker.gate import ConsumeGate
 from celery_pulse.worker.loop import LoopCaller
 from celery_pulse.worker.ports import WorkerForIntake
@@ -84,6 +85,7 @@ class Intake:
         #: Consumption paused at the prefetch limit (brokers where deliveries aren't held).
         self.paused_at_limit = False
         self._body_limit: tuple[int | None] | None = None
+        self.received: ReceivedEventer | None = None  # for task-received (.events)
 
     def wrap(self, task: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         settings = self.pulse.settings
@@ -189,6 +191,11 @@ class Intake:
             return None
 
         return handler
+
+    def strategy_consumer(self) -> Any:
+        """The consumer Celery's strategy is built with (:func:`.events.strategy_view`)."""
+        view, self.received = strategy_view(self.consumer, self.received)
+        return view
 
     @property
     def gate(self) -> ConsumeGate:
@@ -369,8 +376,9 @@ class Intake:
         """
         exits = self.pulse.exits
         try:
-            inner(message, body, CeleryVerdict(exits, claim, "ack"),
-                  CeleryVerdict(exits, claim, "reject"), callbacks)
+            with handing(self.received, claim):  # its task-received carries the attempt
+                inner(message, body, CeleryVerdict(exits, claim, "ack"),
+                      CeleryVerdict(exits, claim, "reject"), callbacks)
         except Exception as exc:
             exits.refused_by_strategy(claim, exc)
 

@@ -19,15 +19,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_pulse.beat import Beat
+from celery_pulse.errors import NeedsReview, Terminal
 from celery_pulse.leader import LeaderElector
 from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
 from celery_pulse.pool import child
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.recover import Recoverer
 from celery_pulse.settings import Settings
+from celery_pulse.store import records
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
+    OPEN,
     LeaderGrant,
     Permit,
     Recovered,
@@ -35,6 +38,7 @@ from celery_pulse.store.base import (
 from celery_pulse.worker.ahead import StartAhead
 from celery_pulse.worker.chords import ChordFinisher
 from celery_pulse.worker.cluster_metrics import METRICS_KEY, ClusterReader
+from celery_pulse.worker.events import WorkerEvents
 from celery_pulse.worker.exits import RequestEnds
 from celery_pulse.worker.gate import ConsumeGate
 from celery_pulse.worker.intake import Intake
@@ -48,6 +52,9 @@ from celery_pulse.worker.schedules import EntrySource, publisher
 
 # Logger name kept from before the move (operators' logging configurations name it).
 logger = logging.getLogger("celery_pulse.bootsteps.runtime")
+
+#: How long Recover waits for a lost attempt's end to be sent before re-publishing it.
+ANNOUNCE_WAIT = 1.0
 
 #: GIL switch interval in the worker's main process (seconds).
 SWITCH_INTERVAL = 0.0005
@@ -76,6 +83,7 @@ class PulseWorker:
         self.consumer: Any = None
         self.gate: ConsumeGate | None = None
         self.loop: LoopCaller = LoopCaller(None)
+        self.events = WorkerEvents(hostname, lambda: self.loop, lambda: self.consumer)
         self.stopping = False
         self._intake: Intake | None = None
         self._shut = False
@@ -267,31 +275,25 @@ class PulseWorker:
         self.emit("pulse-duplicate-dropped", uuid=task_id, name=name, holder=holder,
                   epoch=epoch, reason=why)
 
-    def exhausted(self, task_id: str, name: str) -> None:
+    def exhausted(self, task_id: str, name: str, lost: Recovered | None = None) -> None:
+        """The task used up its attempts (at a delivery, or when Recover took ``lost``):
+        FAILURE in the result backend and in Flower (as the lost holder, if any)."""
         logger.error("pulse: %s[%s] used up its %s attempts: failed, not run", name, task_id,
                      "pulse_max_attempts")
+        error = Terminal(f"attempt budget exhausted for task {task_id}: failed, not run")
         try:
-            from celery_pulse.errors import Terminal
-
-            self.app.backend.mark_as_failure(
-                task_id, Terminal(f"attempt budget exhausted for task {task_id}"))
+            self.app.backend.mark_as_failure(task_id, error)
         except Exception:  # no result backend configured, or it is down
             logger.debug("pulse: could not record budget failure in the result backend",
                          exc_info=True)
+        attempt = {} if lost is None else {"pulse_epoch": lost.epoch - 1,
+                                           "pulse_attempt": lost.attempts}
+        self.events.emit("task-failed", hostname=lost.holder if lost else None, uuid=task_id,
+                         exception=repr(error), traceback=None, **attempt)
 
     def emit(self, event: str, **fields: Any) -> None:
         """Send a worker event (only when events are enabled), on the loop thread."""
-        consumer = self.consumer
-        dispatcher = getattr(consumer, "event_dispatcher", None)
-        if dispatcher is None or not getattr(dispatcher, "enabled", False):
-            return
-
-        def send() -> None:
-            try:
-                dispatcher.send(event, hostname=self.hostname, **fields)
-            except Exception:
-                logger.debug("pulse: could not send %s event", event, exc_info=True)
-        self.loop.call(send)
+        self.events.emit(event, **fields)
 
     def admit_waiting(self) -> None:
         """Room under the prefetch limit may have opened: reserve held deliveries.
@@ -334,12 +336,35 @@ class PulseWorker:
             os.kill(pid, signum)
 
     # -- RecoverListener (recover thread) --------------------------------------------
+    def on_redispatching(self, item: Recovered) -> None:
+        """Before Recover re-publishes ``item``: its lost attempt ends in Flower as
+        retried (Celery's ``task-retried``, as the lost holder), before the new attempt's
+        events can arrive."""
+        if item.was == OPEN or item.holder is None:
+            return  # taken from a scanner that died before publishing: no attempt to end
+        lost = item.epoch - 1
+        # A ``reason``, not an ``exception``: Flower keeps a task's last exception through
+        # its later states, and the attempt that succeeds next raised nothing.
+        what = ("lost its lease" if item.was == records.RUNNING
+                else "never started it (reservation expired or released)")
+        self.events.emit("task-retried", hostname=item.holder, wait=ANNOUNCE_WAIT,
+                         uuid=item.task_id, pulse_epoch=lost, pulse_attempt=item.attempts,
+                         reason=f"holder {item.holder} {what} at epoch {lost}: re-dispatched")
+
     def on_recovered(self, item: Recovered) -> None:
         if item.state == FAILED:
-            self.exhausted(item.task_id, item.task_name)
+            self.exhausted(item.task_id, item.task_name, item)
+        elif item.state == NEEDS_REVIEW:
+            # The lost attempt's outcome is unknown: Flower shows it failed, saying so.
+            lost = item.epoch - 1
+            reason = NeedsReview(f"holder {item.holder} lost its lease at epoch {lost}; "
+                                 "outcome unknown: celery pulse review")
+            self.events.emit("task-failed", hostname=item.holder, uuid=item.task_id,
+                             exception=repr(reason), traceback=None, pulse_epoch=lost,
+                             pulse_attempt=item.attempts)
         event = "pulse-needs-review" if item.state == NEEDS_REVIEW else "pulse-task-recovered"
         self.emit(event, uuid=item.task_id, name=item.task_name, epoch=item.epoch,
-                  state=item.state, was=item.was)
+                  state=item.state, was=item.was, holder=item.holder)
 
     # -- stats -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:

@@ -124,6 +124,7 @@ def test_expired_reservation_reopens_under_a_new_epoch_and_token(store: Store,
 
     item = only(store.recover(SCANNER, 10, LONG))
     assert (item.task_id, item.state, item.was, item.epoch) == (tid, OPEN, RESERVED, 2)
+    assert item.holder == HOLDER  # the holder whose lease ran out, not the scanner
     assert item.token and item.token != grant.token
     assert item.message == celery_message(tid)  # byte-exact, ready to re-publish
     assert item.task_name == "proj.tasks.charge" and item.attempts == 1
@@ -145,6 +146,7 @@ def test_expired_running_redispatch_claim_reopens(store: Store) -> None:
     wait_expired(store, [tid])
     item = only(store.recover(SCANNER, 10, LONG))
     assert (item.state, item.was, item.epoch) == (OPEN, RUNNING, grant.epoch + 1)
+    assert item.holder == HOLDER
     assert item.token and item.token != grant.token
     assert claim(store, tid).state == OPEN
 
@@ -155,6 +157,7 @@ def test_expired_running_review_claim_needs_review(store: Store) -> None:
     wait_expired(store, [tid])
     item = only(store.recover(SCANNER, 10, LONG))
     assert (item.state, item.was, item.epoch, item.token) == (NEEDS_REVIEW, RUNNING, 2, None)
+    assert item.holder == HOLDER  # who lost it (Flower's task-failed is sent as this host)
     row = claim(store, tid)
     assert (row.state, row.epoch, row.lease_remaining, row.outcome) == (NEEDS_REVIEW, 2, None,
                                                                         "unknown")
@@ -182,6 +185,7 @@ def test_exhausted_budget_fails(store: Store, was: str) -> None:
     wait_expired(store, [tid])
     item = only(store.recover(SCANNER, 10, LONG))
     assert (item.state, item.was, item.epoch, item.token) == (FAILED, was, 2, None)
+    assert item.holder == HOLDER
     row = claim(store, tid)
     assert (row.state, row.outcome, row.lease_remaining) == (FAILED, "exhausted", None)
     assert row.finished_at is not None
@@ -266,6 +270,7 @@ def test_open_claim_with_expired_publish_lease_is_taken_again(store: Store) -> N
     wait_expired(store, [tid])
     second = only(store.recover("w3@host", 10, LONG))
     assert (second.task_id, second.state, second.was) == (tid, OPEN, OPEN)
+    assert (first.holder, second.holder) == (HOLDER, SCANNER)  # the dead scanner held it
     assert second.epoch == first.epoch + 1 and second.token != first.token
     assert second.message == first.message
     assert claim(store, tid).holder == "w3@host"

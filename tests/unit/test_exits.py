@@ -109,3 +109,28 @@ def test_a_verdict_on_a_lost_claim_is_left_to_the_store() -> None:
     ends.verdict(claim, "ack", False)
     ends.verdict(claim, "reject", True)
     assert worker.done == []
+
+
+class _Request:
+    """What ``lost_attempt_stopped`` touches of Celery's request: its id (Celery's
+    ``task_ready``) and ``send_event``."""
+
+    def __init__(self) -> None:
+        self.id = "t-1"
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send_event(self, type_: str, **fields: Any) -> None:
+        self.sent.append((type_, fields))
+
+
+def test_a_stale_attempts_dead_process_is_sent_as_an_attempt_end_not_a_task_failure() -> None:
+    ends, worker = _ends()
+    claim = _claim()
+    claim.state, claim.hard_stopped, claim.lost_reason = LOST, True, "taken over"
+    claim.request = request = _Request()
+    ends.lost_attempt_stopped(claim)
+    assert worker.done == [("free", 3), ("forget", "t-1")]  # nothing recorded as ours
+    ((type_, fields),) = request.sent
+    assert type_ == "pulse-attempt-ended"
+    assert (fields["epoch"], fields["outcome"], fields["reason"]) == (1, "failed", "taken over")
+    assert "LeaseLost" in fields["exception"]

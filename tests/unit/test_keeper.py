@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from celery_pulse.errors import StoreUnavailable
-from celery_pulse.leases import RUNNING, LeaseKeeper, LocalClaim
+from celery_pulse.leases import LOST, RUNNING, LeaseKeeper, LocalClaim
 from celery_pulse.store.base import (
     Completion,
     Exchanged,
@@ -72,6 +72,25 @@ def test_a_newer_grant_of_the_task_still_hard_stops_the_lost_attempt(store: Memo
     assert listener.hard_stopped == [old]
     keeper.forget(old)  # its result came back: nothing left to stop
     assert keeper.get("t1") is new and keeper._displaced == {}
+
+
+def test_a_newer_grant_of_the_task_loses_the_stale_attempt_not_yet_seen_lost(
+        store: MemoryStore) -> None:
+    """Paused past its deadline, the worker is handed the task's re-dispatched delivery
+    before its watchdog ran: the attempt still running is lost (LeaseLost, hard stop)."""
+    clock, listener = FakeClock(1000.0), Listener()
+    keeper = LeaseKeeper(store, "w1", ttl=TTL, interval=1, margin=1, grace=2,
+                         listener=listener, monotonic=clock)
+    old = keeper.add(reserve(store, "t1", "p1"), clock(), 0, False)
+    old.pid = 4242
+    clock.now += TTL  # past its local deadline; no renewal, no watchdog yet
+    store.release("w1", [old.key], never_ran=True)
+    new = keeper.add(reserve(store, "t1", "p1"), clock(), 0, False)
+    assert keeper.get("t1") is new and listener.lost == [old]
+    assert old.state == LOST and "superseded" in old.lost_reason
+    clock.now += 3
+    keeper.enforce_deadlines()
+    assert listener.hard_stopped == [old]
 
 
 def test_warm_shutdown_never_releases_a_job_handed_to_the_pool(store: MemoryStore) -> None:

@@ -31,13 +31,13 @@ from celery_pulse.store.views import moved_message
 logger = logging.getLogger(__name__)
 
 
-def recovered(row: ClaimRow, was: str) -> Recovered:
-    """The claim as taken over (its state already moved on from ``was``)."""
+def recovered(row: ClaimRow, was: str, holder: str | None) -> Recovered:
+    """The claim as taken over (its state already moved on from ``was``, from ``holder``)."""
     return Recovered(row.task_id, row.task_name, row.state, was, row.epoch, row.token,
                      row.attempts, Message(row.body, json.loads(row.headers),
                                            json.loads(row.properties),
                                            json.loads(row.delivery_info), row.content_type,
-                                           row.content_encoding))
+                                           row.content_encoding), holder)
 
 
 class MemoryRecover(MemoryCore, RecoverStore):
@@ -61,10 +61,10 @@ class MemoryRecover(MemoryCore, RecoverStore):
             out: list[Recovered] = []
             for state, members in groups.items():
                 for row in members:
-                    was = row.state
+                    was, holder = row.state, row.holder
                     self._take_over(row, state, scanner, now, publish_ttl)
                     try:
-                        out.append(recovered(row, was))
+                        out.append(recovered(row, was, holder))
                     except (ValueError, TypeError) as exc:
                         # A corrupted row must not stall recovery of every other claim.
                         logger.error("pulse: claim %s is corrupted (%s): marked failed",
@@ -101,7 +101,7 @@ class MemoryRecover(MemoryCore, RecoverStore):
                 row.epoch += 1
                 row.lease_until, row.started_at = now + publish_ttl, None
                 row.outcome, row.error = RETRY, "requeued"
-                out.append(recovered(row, was))
+                out.append(recovered(row, was, holder))
             return out
 
     def mark_published(self, items: Sequence[LeaseKey]) -> int:
@@ -137,14 +137,14 @@ class MemoryRecover(MemoryCore, RecoverStore):
             if row.state not in (NEEDS_REVIEW, FAILED) or (
                     expected_epoch is not None and row.epoch != expected_epoch):
                 raise self._moved(task_id, row)
-            was = row.state
+            was, last_holder = row.state, row.holder
             row.state, row.holder, row.token = OPEN, scanner, new_token()
             row.epoch += 1
             row.lease_until = now + publish_ttl
             row.max_attempts = max(row.max_attempts, row.attempts + 1)
             row.finished_at = row.outcome = row.error = None
             self._audit(task_id, "retry", None, who, note, now)
-            return recovered(row, was)
+            return recovered(row, was, last_holder)
 
     def review_resolve(self, task_id: str, outcome: str, who: str, note: str | None,
                        expected_epoch: int | None = None) -> None:

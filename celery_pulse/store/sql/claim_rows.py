@@ -123,9 +123,10 @@ def stale_answers(conn: sa.Connection, holder: str, stale: list[Completion], now
 
 
 def recovered(row: Any, state: str, epoch: int, token: str | None) -> Recovered:
-    """A claim row taken back to ``state`` (its message, for publishing it again)."""
+    """A claim row (as read before the move) taken back to ``state``: its message, for
+    publishing it again, and its holder until then."""
     return Recovered(row.task_id, row.task_name, state, row.state, epoch, token,
                      int(row.attempts), Message(
                          bytes(row.body), json.loads(row.headers), json.loads(row.properties),
                          json.loads(row.delivery_info), row.content_type,
-                         row.content_encoding))
+                         row.content_encoding), row.holder)
