@@ -34,14 +34,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_pulse.store.records import (
-    FINISHED_STATES,
-    ClaimQuery,
-    Completion,
-    Grant,
-    Message,
-    ReserveRequest,
-)
+from celery_pulse.store.pages import ClaimQuery
+from celery_pulse.store.records import FINISHED_STATES, Completion, Grant, Message, ReserveRequest
 from celery_pulse.store.sql import SqlStore
 from celery_pulse.store.sql.factory import open_store
 from celery_pulse.store.sql.monitor import count_statement, page_statement

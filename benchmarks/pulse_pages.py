@@ -53,7 +53,7 @@ def get_ms(url: str) -> float:
 
 def run(kind: str, n: int) -> dict[str, float]:
     from benchmarks import monitor_queries as mq
-    from celery_pulse.store.records import ClaimQuery
+    from celery_pulse.store.pages import ClaimQuery
     from celery_pulse.store.sql.factory import open_store
 
     mq.DATABASE = "pulse_bench_pages"

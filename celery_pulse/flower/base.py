@@ -29,17 +29,16 @@ from tornado import web
 
 from celery_pulse.errors import InvalidConfig, Moved, NotFound, PulseError
 from celery_pulse.settings import Settings
+from celery_pulse.store.pages import MAX_PAGE, ClaimQuery
 from celery_pulse.store.records import (
     CLAIM_STATES,
     FAILED,
-    MAX_PAGE,
     NEEDS_REVIEW,
     OPEN,
     RESERVED,
     REVOKED,
     RUNNING,
     SUCCEEDED,
-    ClaimQuery,
 )
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.timefmt import iso

@@ -14,7 +14,8 @@ from typing import Any
 from tornado import web
 
 from celery_pulse.flower.base import ApiHandler, PageHandler
-from celery_pulse.store.records import CLAIM_STATES, ClaimInfo, ClaimQuery
+from celery_pulse.store.pages import ClaimQuery
+from celery_pulse.store.records import CLAIM_STATES, ClaimInfo
 from celery_pulse.store.sql import SqlStore
 
 

@@ -20,7 +20,8 @@ from tornado import web
 from celery_pulse.errors import Moved, NotFound
 from celery_pulse.flower.base import MAX_LIMIT, ApiHandler, PageHandler, flash
 from celery_pulse.operator import OUTCOMES, Decision, resolve_review, retry_review
-from celery_pulse.store.records import NEEDS_REVIEW, ClaimQuery
+from celery_pulse.store.pages import ClaimQuery
+from celery_pulse.store.records import NEEDS_REVIEW
 from celery_pulse.store.sql import SqlStore
 
 #: What a page's button or an API call may ask: retry, or resolve with an outcome.

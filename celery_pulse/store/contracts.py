@@ -24,11 +24,9 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from celery_pulse.store.channels import PendingExchange, PermitSignals
+from celery_pulse.store.pages import ClaimDetail, ClaimPage, ClaimQuery
 from celery_pulse.store.records import (
-    ClaimDetail,
     ClaimInfo,
-    ClaimPage,
-    ClaimQuery,
     Completion,
     Exchanged,
     Grant,

@@ -75,7 +75,7 @@ TERMINAL_STATES = (SUCCEEDED, FAILED, NEEDS_REVIEW, REVOKED)
 RESTARTABLE_STATES = (SUCCEEDED, FAILED, REVOKED)
 #: Finished states retention purges.
 FINISHED_STATES = (SUCCEEDED, FAILED, REVOKED)
-#: Every claim state, as a filter of :class:`ClaimQuery` names them.
+#: Every claim state, as a filter of :class:`~celery_pulse.store.pages.ClaimQuery` names them.
 CLAIM_STATES = (RESERVED, RUNNING, OPEN, SUCCEEDED, FAILED, NEEDS_REVIEW, REVOKED)
 #: Completion outcomes a holder may report: ``succeeded``, ``failed``, ``revoked``, or
 #: ``retry`` (the claim re-opens for the next delivery of the task: a Celery retry or a
@@ -230,66 +230,6 @@ class ClaimInfo:
     outcome: str | None
     error: str | None
     queue: str | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClaimQuery:
-    """A filter over claims and one page of them (:meth:`ClaimStore.find_claims`): exact
-    filters, combined with AND; ``states`` any of :data:`CLAIM_STATES` (``()``: all);
-    ``after`` the opaque cursor of the previous page's ``next``."""
-
-    states: tuple[str, ...] = ()
-    queue: str | None = None
-    task_name: str | None = None
-    worker: str | None = None  # the holder, exact
-    limit: int = 50  # rows per page, 1..MAX_PAGE
-    after: str | None = None
-
-
-MAX_PAGE = 500
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClaimPage:
-    """One page of claims, newest first (``created_at`` desc, then ``task_id`` desc)."""
-
-    rows: list[ClaimInfo]
-    next: str | None  # the cursor of the next page (ClaimQuery.after); None at the end
-    total: int  # claims matching the filter, on every page
-    now: float  # the store clock when the page was read
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EvidenceRow:
-    """A stale attempt's completion, kept for the record (never authoritative)."""
-
-    epoch: int
-    holder: str
-    outcome: str
-    error: str | None
-    recorded_at: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AuditRow:
-    """A human decision on a claim (``review retry`` / ``review resolve``)."""
-
-    action: str
-    outcome: str | None
-    note: str | None
-    decided_by: str
-    decided_at: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClaimDetail:
-    """One claim with what an operator needs to judge it (:meth:`ClaimStore.claim_detail`)."""
-
-    claim: ClaimInfo
-    retries: int  # Celery's ``retries`` of the message the claim holds
-    args_summary: str  # ``argsrepr kwargsrepr`` from its headers, at most 200 characters
-    evidence: list[EvidenceRow]  # stale completions, oldest first
-    reviews: list[AuditRow]  # review decisions, oldest first
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,13 +16,8 @@ import json
 from typing import Any
 
 from celery_pulse.errors import InvalidConfig
-from celery_pulse.store.records import (
-    CLAIM_STATES,
-    FAILED,
-    MAX_PAGE,
-    NEEDS_REVIEW,
-    ClaimQuery,
-)
+from celery_pulse.store.pages import MAX_PAGE, ClaimQuery
+from celery_pulse.store.records import CLAIM_STATES, FAILED, NEEDS_REVIEW
 from celery_pulse.timefmt import iso
 
 #: The states a review listing may ask for: those ``review retry`` takes.

@@ -26,7 +26,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from celery_pulse.leader import LeaderElector
 from celery_pulse.service import Service
+from celery_pulse.settings import Settings
 from celery_pulse.store.base import LIVE_STATES, NEEDS_REVIEW, OPEN, TERMINAL_STATES, PermitUsage
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,22 @@ def read_cluster(store: Any, leader_keys: tuple[str, ...],
     permits = tuple(store.permit_usage())
     done = monotonic()
     return ClusterSnapshot(True, done, now, claims, oldest, epochs, permits, done - began)
+
+
+def exporter_for(store: Any, elector: LeaderElector | None, hostname: str,
+                 settings: Settings) -> tuple[ClusterReader, LeaderElector | None]:
+    """A worker's cluster reader, exporting while ``elector`` (beat's) leads, and with
+    beat off (``elector`` None) the election of its own over :data:`METRICS_KEY`."""
+    own: LeaderElector | None = None
+    if elector is None:
+        own = campaign = LeaderElector(store, METRICS_KEY, hostname, ttl=settings.leader_ttl,
+                                       interval=settings.leader_interval,
+                                       margin=settings.leader_margin)
+    else:
+        campaign = elector
+    reader = ClusterReader(store, lambda: campaign.is_leader, interval=settings.metrics_interval,
+                           leader_keys=(campaign.key,))
+    return reader, own
 
 
 class ClusterReader(Service):

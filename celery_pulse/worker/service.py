@@ -37,7 +37,7 @@ from celery_pulse.store.base import (
 )
 from celery_pulse.worker.ahead import StartAhead
 from celery_pulse.worker.chords import ChordFinisher
-from celery_pulse.worker.cluster_metrics import METRICS_KEY, ClusterReader
+from celery_pulse.worker.cluster_metrics import ClusterReader, exporter_for
 from celery_pulse.worker.events import WorkerEvents
 from celery_pulse.worker.exits import RequestEnds
 from celery_pulse.worker.gate import ConsumeGate
@@ -175,15 +175,8 @@ class PulseWorker:
         from celery_pulse.worker.metrics import serve
 
         if not self.remote:  # a gateway worker has no store to read the cluster from
-            elector = self.elector
-            if elector is None:  # beat off: the exporter is chosen by its own election
-                settings = self.settings
-                elector = self.metrics_elector = LeaderElector(
-                    self.store, METRICS_KEY, self.hostname, ttl=settings.leader_ttl,
-                    interval=settings.leader_interval, margin=settings.leader_margin)
-            self.cluster = ClusterReader(self.store, lambda: elector.is_leader,
-                                         interval=self.settings.metrics_interval,
-                                         leader_keys=(elector.key,))
+            self.cluster, self.metrics_elector = exporter_for(self.store, self.elector,
+                                                              self.hostname, self.settings)
         if not serve(self.settings.metrics_address, self.settings.metrics_port, self.info,
                      self.cluster):  # no prometheus_client: nobody would see a read
             self.cluster = self.metrics_elector = None

@@ -27,7 +27,8 @@ from celery_pulse.store.base import (
     ReserveRequest,
     Store,
 )
-from celery_pulse.store.records import ClaimDetail, ClaimInfo, ClaimQuery
+from celery_pulse.store.pages import ClaimDetail, ClaimQuery
+from celery_pulse.store.records import ClaimInfo
 from tests.contract.test_recover_contract import celery_message, wait_expired
 
 HOLDER, OTHER, SCANNER = "w1@host", "w2@host", "review:bob@host"

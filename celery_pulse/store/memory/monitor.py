@@ -9,15 +9,8 @@ from __future__ import annotations
 
 from celery_pulse.store.memory.core import MemoryCore, claim_info
 from celery_pulse.store.memory.tables import ClaimRow
-from celery_pulse.store.records import (
-    NEEDS_REVIEW,
-    AuditRow,
-    ClaimDetail,
-    ClaimPage,
-    ClaimQuery,
-    EvidenceRow,
-    ReviewItem,
-)
+from celery_pulse.store.pages import AuditRow, ClaimDetail, ClaimPage, ClaimQuery, EvidenceRow
+from celery_pulse.store.records import NEEDS_REVIEW, ReviewItem
 from celery_pulse.store.views import (
     REVIEWABLE_STATES,
     args_summary,

@@ -16,14 +16,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_pulse.store.records import (
-    NEEDS_REVIEW,
-    AuditRow,
-    ClaimDetail,
-    ClaimPage,
-    ClaimQuery,
-    EvidenceRow,
-)
+from celery_pulse.store.pages import AuditRow, ClaimDetail, ClaimPage, ClaimQuery, EvidenceRow
+from celery_pulse.store.records import NEEDS_REVIEW
 from celery_pulse.store.sql.claims_admin import claim_info, info_columns
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated

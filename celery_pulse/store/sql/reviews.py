@@ -22,7 +22,7 @@ from celery_pulse.store.base import (
     Recovered,
     ReviewItem,
 )
-from celery_pulse.store.records import ClaimQuery
+from celery_pulse.store.pages import ClaimQuery
 from celery_pulse.store.sql.claim_rows import recovered
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
