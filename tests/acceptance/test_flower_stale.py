@@ -101,15 +101,15 @@ def test_browser_paused_then_taken_over_task_shows_success_of_the_current_attemp
 
     # A barrier for Flower: a later task of a's (on a queue of its own) shows SUCCESS,
     # so a's events up to its stale attempt's end have reached Flower.
+    def flower_info(tid: str) -> dict[str, Any] | None:
+        answer = f.get(f"/api/task/info/{tid}")  # 404 until Flower has seen the task
+        return answer.json() if answer.status == 200 else None
+
     barrier = f"{page_env.queue}-a"
     try:
         added = app.control.add_consumer(barrier, destination=[a_name], reply=True, timeout=10)
         assert added and a_name in added[0], added
         after = app.send_task("opsapp.noop", queue=barrier).id
-
-        def flower_info(tid: str) -> dict[str, Any] | None:
-            answer = f.get(f"/api/task/info/{tid}")
-            return answer.json() if answer.status == 200 else None
         wait_for(lambda: (flower_info(after) or {}).get("state") == "SUCCESS", 30,
                  "a's later task to show SUCCESS in Flower", interval=0.5)
     finally:
