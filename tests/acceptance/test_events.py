@@ -23,7 +23,7 @@ from celery import Celery
 
 from tests.helpers.publish import publish_raw
 from tests.helpers.receiver import Event, EventLog
-from tests.helpers.workers import ROOT, Env, Worker, assert_alive, wait_for
+from tests.helpers.workers import ROOT, Env, Worker, assert_alive, stop_consuming, wait_for
 
 APP = "tests.apps.eventsapp"
 FAST: dict[str, Any] = {
@@ -278,9 +278,7 @@ def test_paused_workers_stale_attempt_never_overwrites_the_state_of_the_current_
     log.wait("task-started", SOON, uuid=task_id, hostname=A)
     b = start(workers, env, B)
     Path(f"{gate}.{RERUN}").touch()
-    replies = producer.control.cancel_consumer(env.queue, destination=[A], reply=True,
-                                               timeout=10)
-    assert replies and A in replies[0], replies
+    stop_consuming(producer, A, env.queue)
 
     a.signal(signal.SIGSTOP)
     try:

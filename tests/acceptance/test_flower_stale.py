@@ -33,7 +33,7 @@ from tests.acceptance.test_flower_pulse import (  # noqa: F401 - fixtures, by na
 )
 from tests.helpers import services
 from tests.helpers.services import IN_CI
-from tests.helpers.workers import Env, Worker, wait_alive, wait_for
+from tests.helpers.workers import Env, Worker, stop_consuming, wait_alive, wait_for
 
 #: How long each attempt of the task runs (the paused one never gets that far).
 RUN = 3.0
@@ -79,9 +79,7 @@ def test_browser_paused_then_taken_over_task_shows_success_of_the_current_attemp
     b_name = b.wait_log(r"pulse: registered (\S+)").group(1)
     # A paused worker's channel stays open: the broker would hand it the re-dispatched
     # delivery as readily as b. It stops consuming first, so the new attempt runs on b.
-    replies = app.control.cancel_consumer(page_env.queue, destination=[a_name], reply=True,
-                                          timeout=10)
-    assert replies and a_name in replies[0], replies
+    stop_consuming(app, a_name, page_env.queue)
 
     def succeeded() -> tuple[str, int] | None:
         detail = store.claim_detail(task_id)

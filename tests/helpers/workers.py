@@ -144,3 +144,22 @@ def wait_alive(predicate: Callable[[], Any], timeout: float, what: str,
     except AssertionError as exc:
         tails = "\n".join(f"--- {w.name}:\n{w.log()[-3000:]}" for w in ws)
         raise AssertionError(f"{exc}\n{tails}") from None
+
+
+def stop_consuming(app: Any, worker: str, queue: str, timeout: float = 10.0) -> None:
+    """Make ``worker`` stop consuming ``queue``; return once it has.
+
+    Celery's ``cancel_consumer`` answers before the worker's loop runs the cancel (it is
+    deferred with ``call_soon``): a worker paused right after the answer still consumes,
+    and the broker hands it the next delivery. ``active_queues`` lists the queue until
+    the cancel has run, so the wait polls it.
+    """
+    replies = app.control.cancel_consumer(queue, destination=[worker], reply=True,
+                                          timeout=timeout)
+    assert replies and worker in replies[0], replies
+
+    def gone() -> bool:
+        answer = app.control.inspect(destination=[worker], timeout=1.0).active_queues() or {}
+        queues = answer.get(worker)
+        return queues is not None and all(q["name"] != queue for q in queues)
+    wait_for(gone, timeout, f"{worker} to stop consuming {queue}", interval=0.1)
