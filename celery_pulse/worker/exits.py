@@ -187,6 +187,8 @@ class RequestEnds:
             outcome, error = SUCCEEDED, None
         elif isinstance(exc, Retry):
             outcome, error = RETRY, None
+        elif isinstance(exc, Terminated):
+            outcome, error = REVOKED, "revoked and terminated"
         elif isinstance(exc, Ignore):
             outcome, error = SUCCEEDED, "ignored"
         else:
