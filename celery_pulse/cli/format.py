@@ -122,7 +122,8 @@ def review_lines(items: list[dict[str, Any]], app: str) -> list[str]:
     if any(i.get("entered_review_at") is None for i in items):
         lines.append("(after T: Recover moved the task to review before the store kept the "
                      "time of that; T is when its last attempt started)")
-    lines += [f"{len(items)} task(s) ran with an unknown outcome: check what each one did, then",
+    lines += [f"{len(items)} task(s) ran with an unknown outcome: check what each one did",
+              f"  celery -A {app} pulse review show TASK_ID         its attempts' late results, then",
               f"  celery -A {app} pulse review retry TASK_ID        run it once more",
               f"  celery -A {app} pulse review resolve TASK_ID --outcome succeeded|failed"
               "    close it by hand"]
@@ -152,4 +153,26 @@ def status_lines(payload: dict[str, Any]) -> list[str]:
     review_line = f"needs review: {c['needs_review']}"
     lines.append(click.style(review_line, fg="red") if c["needs_review"] else review_line)
     lines += [click.style(f"! {problem}", fg="red") for problem in payload["needs_attention"]]
+    return lines
+
+
+def detail_lines(payload: dict[str, Any]) -> list[str]:
+    """One claim, its evidence and its review decisions (``pulse review show``)."""
+    c = payload["claim"]
+    lines = [f"{c['task_id']}  {c['task_name']}  {c['state']} at epoch {c['epoch']} "
+             f"(holder {c['holder'] or '-'}, attempts {c['attempts']} of {c['max_attempts']})",
+             f"args: {payload['args_summary'] or '-'}"]
+    evidence = payload["evidence"]
+    if evidence:
+        lines.append("late outcomes of stale attempts (evidence, never applied):")
+        lines += table(["EPOCH", "HOLDER", "OUTCOME", "RESULT", "ERROR", "RECORDED"],
+                       [[str(e["epoch"]), e["holder"], e["outcome"], e["result"] or "-",
+                         e["error"] or "-", iso(e["recorded_at"])] for e in evidence],
+                       right=[0])
+    else:
+        lines.append("no late outcome kept (evidence: none)")
+    for r in payload["reviews"]:
+        lines.append(f"{iso(r['decided_at'])} {r['decided_by']}: {r['action']}"
+                     f"{' ' + r['outcome'] if r['outcome'] else ''}"
+                     f"{': ' + r['note'] if r['note'] else ''}")
     return lines

@@ -57,6 +57,33 @@ def review(ctx: click.Context, as_json: bool) -> None:
         echo_lines(fmt.review_lines(items, fmt.app_argument(ctx)))
 
 
+def detail_payload(store: SqlStore, task_id: str) -> dict[str, Any] | None:
+    """One claim as a reviewer judges it: the claim, the late outcomes of its stale
+    attempts (``evidence``: result or error, at their epoch) and the review decisions."""
+    detail = store.claim_detail(task_id)
+    if detail is None:
+        return None
+    return {"claim": dataclasses.asdict(detail.claim), "args_summary": detail.args_summary,
+            "evidence": [dataclasses.asdict(e) for e in detail.evidence],
+            "reviews": [dataclasses.asdict(r) for r in detail.reviews]}
+
+
+@review.command("show")
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def review_show(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """What a task's attempts did: its claim, its stale attempts' late outcomes, decisions."""
+    with opened_store(ctx) as store:
+        payload = detail_payload(store, task_id)
+    if payload is None:
+        raise click.ClickException(f"no claim for task {task_id}")
+    if as_json:
+        echo_json(payload)
+    else:
+        echo_lines(fmt.detail_lines(payload))
+
+
 @review.command("retry")
 @click.argument("task_id")
 @click.option("--note", default=None, help="Why (kept for audit).")

@@ -74,6 +74,9 @@ class LocalClaim:
     handed_at: float = 0.0
     #: The attempt's result for the store's result backend, sent with its completion.
     result: ResultRecord | None = None
+    #: What the attempt returned, as Celery shows it (its repr): kept as evidence if the
+    #: attempt turns out stale.
+    returned: str | None = None
     #: Opaque adapter data of a chord part (its request), for when its count comes back.
     chord_part: Any = None
     #: The cluster-wide concurrency permits its start needs (None: not decided yet).

@@ -33,6 +33,7 @@ from celery_pulse.leases.renewal import Renewer
 from celery_pulse.leases.table import ClaimTable
 from celery_pulse.leases.watchdog import Watchdog
 from celery_pulse.store.base import ClaimStore, Completion, Grant, Refusal, ReserveRequest
+from celery_pulse.store.records import LOST_TOKEN
 
 #: The lease mechanism's log lines keep the logger they always had.
 logger = logging.getLogger("celery_pulse.leases")
@@ -168,8 +169,18 @@ class LeaseKeeper(ClaimTable):
                         callback: CompleteCallback | None = None) -> None:
         self.forget(claim)
         completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error,
-                                claim.result)
+                                claim.result, claim.returned)
         self._submit(Op("complete", completion, callback, False))
+
+    def submit_late(self, claim: LocalClaim, outcome: str, error: str | None) -> None:
+        """Keep the outcome of an attempt that ran on after its lease was lost here, as
+        evidence only: sent under :data:`LOST_TOKEN`, which no lease has, so the store
+        never applies it, however the claim stands there (taken over, in review, or
+        still ours until it expires)."""
+        self.forget(claim)
+        completion = Completion(claim.task_id, claim.epoch, LOST_TOKEN, outcome, error,
+                                None, claim.returned)
+        self._submit(Op("complete", completion, None, False))
 
     def start_now(self, claim: LocalClaim) -> bool | str | PulseError:
         """Synchronous start (for event loops without a hub): as ``submit_start``'s answer."""

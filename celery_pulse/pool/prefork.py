@@ -290,6 +290,9 @@ class TaskPool(prefork.TaskPool):
                 # Written (and a chord part counted) with the completion.
                 claim.result = ResultRecord(*result[2])
                 claim.chord_part, result = result[3], result[1]
+            if isinstance(result, tuple) and len(result) > 1 and not result[0] \
+                    and isinstance(result[1], str):
+                claim.returned = result[1]  # the tracer's repr of the return value
             try:
                 return original(result) if original else None
             finally:

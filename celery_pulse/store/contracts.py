@@ -228,7 +228,10 @@ class ClaimStore(abc.ABC):
 
         ``applied``: (epoch, token) still held, the claim took the outcome.
         ``duplicate``: the same outcome for the same epoch was already recorded.
-        ``evidence``: stale; kept in the evidence table, never authoritative.
+        ``evidence``: stale; kept in the evidence table (with its error and
+        :attr:`Completion.returned`), never authoritative. A completion under
+        :data:`~celery_pulse.store.records.LOST_TOKEN` is always stale: its holder knows
+        its lease was lost, and sends the late outcome to be kept.
 
         An applied completion's result (:attr:`Completion.result`) is written, and its
         counter counted, in the same transaction; ``counted`` receives the counts

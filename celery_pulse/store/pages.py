@@ -47,6 +47,9 @@ class EvidenceRow:
     outcome: str
     error: str | None
     recorded_at: float
+    #: What the stale attempt returned, as Celery shows it (its repr; None: a failure, a
+    #: row kept before pulse recorded it, or a remote worker's).
+    result: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

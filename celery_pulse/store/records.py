@@ -195,6 +195,13 @@ class ResultRecord:
     counter_note: bytes | None = None
 
 
+#: The token of a completion whose holder knows its lease was lost (the worker's own
+#: deadline passed, or the store said so): no lease has it, so the store never applies
+#: it and keeps it as evidence (a late outcome the reviewer needs), however the claim
+#: stands in the store.
+LOST_TOKEN = ""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Completion:
     task_id: str
@@ -207,6 +214,9 @@ class Completion:
     #: The attempt's result for the ``pulse://`` backend: written only if the completion
     #: applies, in its transaction (a stale attempt's result is never visible).
     result: ResultRecord | None = None
+    #: The attempt's return value as Celery shows it (its repr): kept in
+    #: ``pulse_evidence`` if the completion is stale, for the reviewer; never applied.
+    returned: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

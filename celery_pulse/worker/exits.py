@@ -22,9 +22,11 @@ docs/concepts/leases.md ("Where Celery can take a request away"):
   :meth:`~RequestEnds.ignored` (succeeded);
 * it fails (an exception, ``Reject(requeue=False)``, a dead process, a hard time
   limit): :meth:`~RequestEnds.failed`;
-* its lease was lost: :meth:`~RequestEnds.lease_lost`, and
-  :meth:`~RequestEnds.lost_attempt_stopped` for a process that died stale (the store
-  decides; watchers get ``pulse-attempt-ended``, never a ``task-failed``);
+* its lease was lost: :meth:`~RequestEnds.lease_lost`,
+  :meth:`~RequestEnds.ran_stale` for a body that ended on its own after the loss (its
+  outcome kept as evidence), and :meth:`~RequestEnds.lost_attempt_stopped` for a
+  process that died stale (the store decides; watchers get ``pulse-attempt-ended``,
+  never a ``task-failed``);
 * pulse drops it before its body (lease lost, start refused):
   :meth:`~RequestEnds.not_run` (the store decides);
 * the broker connection is lost: :meth:`~RequestEnds.connection_lost` (released).
@@ -130,8 +132,10 @@ class RequestEnds:
     def ran(self, claim: LocalClaim, exc: Any, failed: bool) -> None:
         """The pool's result: end the claim by what the attempt did and what Celery
         decided (its verdict)."""
-        if claim.state == LOST or isinstance(exc, LeaseLost):
+        if isinstance(exc, LeaseLost):
             self.lease_lost(claim)
+        elif claim.state == LOST:
+            self.ran_stale(claim, exc, failed)
         elif claim.verdict == "requeue":
             self.requeued(claim)
         elif not failed:
@@ -173,6 +177,26 @@ class RequestEnds:
         worker.ahead.left(claim)
         worker.claim_ended(claim.task_id)
         worker.admit_waiting()
+
+    def ran_stale(self, claim: LocalClaim, exc: Any, failed: bool) -> None:
+        """The body ended on its own after its lease was lost here (the main process was
+        paused past its deadline, the store could not be reached): the attempt is stale
+        and the store decides (Recover), but what it did is kept in ``pulse_evidence``
+        (its result or its error, at its epoch) for whoever reviews the task."""
+        if not failed:
+            outcome, error = SUCCEEDED, None
+        elif isinstance(exc, Retry):
+            outcome, error = RETRY, None
+        elif isinstance(exc, Terminated):
+            outcome, error = REVOKED, "revoked and terminated"
+        elif isinstance(exc, Ignore):
+            outcome, error = SUCCEEDED, "ignored"
+        else:
+            outcome, error = FAILED, repr(exc)[:1000]
+        logger.warning("pulse: task %s epoch %d ended %s after its lease was lost: kept as "
+                       "evidence only", claim.task_id, claim.epoch, outcome)
+        self.worker.keeper.submit_late(claim, outcome, error)
+        self.lease_lost(claim)
 
     def lost_attempt_stopped(self, claim: LocalClaim) -> None:
         """A stale attempt's process died (hard-stopped, or killed after its lease was

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_pulse.store.base import NEEDS_REVIEW, RESERVED, RUNNING, Completion, Grant
+from celery_pulse.store.base import NEEDS_REVIEW, RESERVED, RUNNING, SUCCEEDED, Completion, Grant
+from celery_pulse.store.records import LOST_TOKEN
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.timefmt import iso
 from tests.contract.test_recover_contract import request
@@ -123,6 +124,7 @@ def test_review_has_a_header_the_time_it_entered_review_and_the_next_step(
     for row in rows.values():
         assert row.index(HOLDER) == header.index("LAST HOLDER"), lines
     text = "\n".join(lines)
+    assert f"celery -A {APP} pulse review show TASK_ID" in text
     assert f"celery -A {APP} pulse review retry TASK_ID" in text
     assert f"celery -A {APP} pulse review resolve TASK_ID --outcome succeeded|failed" in text
 
@@ -135,6 +137,23 @@ def test_review_has_a_header_the_time_it_entered_review_and_the_next_step(
     assert items[told.task_id]["reason"] == "outcome unknown"
     assert {"since", "last_holder", "args_summary", "epoch", "attempts"} <= set(
         items[lost.task_id])  # what scripts read before stays
+
+
+def test_review_show_lists_the_late_outcomes_of_stale_attempts(
+        env: Env, store: Callable[[], SqlStore]) -> None:
+    """What the reviewer needs: the lost attempt's late result, kept as evidence."""
+    s = store()
+    g = running(s, policy="review")
+    late = Completion(g.task_id, g.epoch, LOST_TOKEN, SUCCEEDED, returned="'charged'")
+    assert s.complete(HOLDER, [late]) == {g.task_id: "evidence"}
+    text = out(env, "review", "show", g.task_id)
+    assert f"{g.task_id}" in text and "running at epoch 1" in text, text
+    (row,) = [line for line in text.splitlines() if "'charged'" in line]
+    assert row.split()[:4] == ["1", HOLDER, "succeeded", "'charged'"], text
+    payload = env.celery_json("pulse", "review", "show", g.task_id, "--json")
+    assert [(e["epoch"], e["outcome"], e["result"], e["error"])
+            for e in payload["evidence"]] == [(1, "succeeded", "'charged'", None)]
+    assert "no claim for task nope" in env.celery("pulse", "review", "show", "nope").stderr
 
 
 def test_status_columns_line_up_and_the_hint_names_the_app(

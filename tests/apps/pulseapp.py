@@ -100,6 +100,22 @@ def late_sleep(seconds: float, path: str) -> int:
     return _watch(path, seconds)
 
 
+@app.task(name="pulseapp.charge")
+def charge(path: str, seconds: float, value: str) -> str:
+    """A review-policy body (not idempotent) that ends on its own: "start", then
+    ``value`` after ``seconds`` (no lease check: it never learns of a loss)."""
+    mark(path, "start", os.getpid())
+    time.sleep(seconds)
+    mark(path, "end")
+    return value
+
+
+@app.task(name="pulseapp.late_charge", acks_late=True)
+def late_charge(path: str, seconds: float, value: str) -> str:
+    """``charge`` with ``acks_late=True`` (re-dispatch policy)."""
+    return str(charge(path, seconds, value))
+
+
 @app.task(name="pulseapp.fenced_writer")
 def fenced_writer(path: str, table: str, seconds: float) -> int:
     """Insert a row into ``table`` every ~50 ms, each inside ``lease.fenced(conn)``."""

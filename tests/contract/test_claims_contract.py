@@ -39,6 +39,7 @@ from celery_pulse.store.base import (
     ResultRecord,
     Store,
 )
+from celery_pulse.store.records import LOST_TOKEN
 from celery_pulse.store.sql import SqlStore
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.fence import make_fencer
@@ -495,6 +496,33 @@ def test_stale_completion_is_evidence_only(store: Store) -> None:
     info = claim(store, req.task_id)
     assert (info.state, info.epoch) == (SUCCEEDED, 2)
     assert len(evidence_rows(store, req.task_id)) == 2
+
+
+def test_a_late_outcome_is_kept_with_its_result_however_the_claim_stands(store: Store
+                                                                         ) -> None:
+    """Every late outcome is kept with its result: one the store found stale (taken
+    over), and one its holder sends under LOST_TOKEN because it lost the lease locally,
+    while the store still holds the claim for it (never applied: the claim stays
+    running, its lease and token untouched)."""
+    taken, held = request(), request()
+    stale = grant(store, W1, taken)
+    assert store.release(W1, [key(stale)]) == 1
+    grant(store, W2, taken)
+    mine = grant(store, W1, held)
+    assert store.start(W1, mine.task_id, mine.epoch, mine.token, TTL)
+    answers = store.complete(W1, [
+        Completion(stale.task_id, stale.epoch, stale.token, SUCCEEDED, returned="'charged'"),
+        Completion(mine.task_id, mine.epoch, LOST_TOKEN, SUCCEEDED, returned="42")])
+    assert answers == {taken.task_id: "evidence", held.task_id: "evidence"}
+    (ev,) = evidence_rows(store, taken.task_id)
+    assert (ev.epoch, ev.holder, ev.outcome, ev.result) == (1, W1, SUCCEEDED, "'charged'")
+    (ev,) = evidence_rows(store, held.task_id)
+    assert (ev.epoch, ev.outcome, ev.error, ev.result) == (1, SUCCEEDED, None, "42")
+    info = claim(store, held.task_id)
+    assert (info.state, info.holder, info.epoch, info.outcome) == (RUNNING, W1, 1, None)
+    assert row(store, held.task_id).token == mine.token
+    detail = store.claim_detail(held.task_id)
+    assert detail is not None and [e.result for e in detail.evidence] == ["42"]
 
 
 def test_retry_completion_opens_the_claim_for_the_next_delivery(store: Store) -> None:

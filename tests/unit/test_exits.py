@@ -25,6 +25,8 @@ class _Worker:
             forget=lambda claim: self.done.append(("forget", claim.task_id)),
             submit_complete=lambda claim, outcome, error, callback: self.done.append(
                 ("complete", claim.task_id, outcome, error)),
+            submit_late=lambda claim, outcome, error: self.done.append(
+                ("late", claim.task_id, outcome, error)),
             release_unstarted=lambda why: 0)
         self.ahead = SimpleNamespace(left=lambda claim: None)
         self.loop = SimpleNamespace(call=lambda fn, *args: fn(*args))
@@ -73,12 +75,29 @@ def test_the_pools_result_ends_the_claim_by_what_the_attempt_did(
 
 
 def test_a_lost_lease_records_nothing_as_ours() -> None:
-    for claim, exc in ((_claim(), LeaseLost("lost")), (_claim(), None)):
-        if exc is None:
-            claim.state = LOST
+    for state in ("running", LOST):
+        claim = _claim()
+        claim.state = state
         ends, worker = _ends()
-        ends.ran(claim, exc, exc is not None)
+        ends.ran(claim, LeaseLost("lost"), True)  # the attempt found out: nothing to keep
         assert worker.done == [("free", 3), ("forget", "t-1")]
+
+
+@pytest.mark.parametrize(("exc", "failed", "outcome", "error"), [
+    (None, False, SUCCEEDED, None),
+    (ValueError("boom"), True, FAILED, "ValueError('boom')"),
+    (Retry(), True, RETRY, None),
+    (Terminated(9), True, REVOKED, "revoked and terminated"),
+])
+def test_a_body_that_ended_after_its_lease_was_lost_here_is_kept_as_evidence(
+        exc: BaseException | None, failed: bool, outcome: str, error: str | None) -> None:
+    """Lost locally first (the main process paused past its deadline): its late
+    outcome goes to the store as evidence only, never as the claim's completion."""
+    claim = _claim()
+    claim.state = LOST
+    ends, worker = _ends()
+    ends.ran(claim, exc, failed)
+    assert worker.done == [("late", "t-1", outcome, error), ("free", 3), ("forget", "t-1")]
 
 
 def test_a_requeue_celery_decided_in_the_pool_goes_back_as_a_new_attempt() -> None:

@@ -199,7 +199,7 @@ class MemoryClaims(MemoryCore, ClaimStore):
         if row is not None and row.epoch == c.epoch and row.state == OUTCOME_STATE[c.outcome]:
             return "duplicate"
         self.tables.evidence.append(EvidenceRow(c.task_id, c.epoch, holder, c.outcome,
-                                                c.error, now))
+                                                c.error, now, c.returned))
         return "evidence"
 
     def release(self, holder: str, leases: Sequence[LeaseKey], *,

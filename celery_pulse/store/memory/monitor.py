@@ -50,7 +50,8 @@ class MemoryViews(MemoryCore):
             row = self.tables.claims.get(task_id)
             if row is None:
                 return None
-            evidence = [EvidenceRow(e.epoch, e.holder, e.outcome, e.error, e.recorded_at)
+            evidence = [EvidenceRow(e.epoch, e.holder, e.outcome, e.error, e.recorded_at,
+                                    e.result)
                         for e in self.tables.evidence if e.task_id == task_id]
             reviews = [AuditRow(r.action, r.outcome, r.note, r.decided_by, r.decided_at)
                        for r in self.tables.reviews if r.task_id == task_id]

@@ -82,6 +82,7 @@ class EvidenceRow:
     outcome: str
     error: str | None
     recorded_at: float
+    result: str | None = None  # what the stale attempt returned, as Celery shows it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

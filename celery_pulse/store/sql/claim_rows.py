@@ -116,7 +116,8 @@ def stale_answers(conn: sa.Connection, holder: str, stale: list[Completion], now
             continue
         out[c.task_id] = "evidence"
         evidence_rows.append(dict(task_id=c.task_id, epoch=c.epoch, holder=holder,
-                                  outcome=c.outcome, error=c.error, recorded_at=now))
+                                  outcome=c.outcome, error=c.error, recorded_at=now,
+                                  result=c.returned))
     if evidence_rows:
         conn.execute(sa.insert(evidence).values(evidence_rows))
     return out

@@ -77,7 +77,7 @@ class SqlViews:
                 return None
             stale = conn.execute(
                 sa.select(evidence.c.epoch, evidence.c.holder, evidence.c.outcome,
-                          evidence.c.error, evidence.c.recorded_at)
+                          evidence.c.error, evidence.c.recorded_at, evidence.c.result)
                 .where(evidence.c.task_id == task_id).order_by(evidence.c.id)).all()
             audit = conn.execute(
                 sa.select(reviews.c.action, reviews.c.outcome, reviews.c.note,
@@ -85,7 +85,8 @@ class SqlViews:
                 .where(reviews.c.task_id == task_id).order_by(reviews.c.id)).all()
         return ClaimDetail(
             claim_info(row), int(row.retries), args_summary(row.headers),
-            [EvidenceRow(int(e.epoch), e.holder, e.outcome, e.error, float(e.recorded_at))
+            [EvidenceRow(int(e.epoch), e.holder, e.outcome, e.error, float(e.recorded_at),
+                         e.result)
              for e in stale],
             [AuditRow(a.action, a.outcome, a.note, a.decided_by, float(a.decided_at))
              for a in audit])

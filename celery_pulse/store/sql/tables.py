@@ -94,6 +94,8 @@ evidence = sa.Table(
     sa.Column("outcome", sa.String(32), nullable=False),
     sa.Column("error", TEXT),
     sa.Column("recorded_at", SECONDS, nullable=False),
+    #: What the stale attempt returned, as Celery shows it (None: a failure, or unknown).
+    sa.Column("result", TEXT),
     **TABLE_OPTIONS,
 )
 
