@@ -27,6 +27,8 @@ docs/concepts/leases.md ("Where Celery can take a request away"):
   decides; watchers get ``pulse-attempt-ended``, never a ``task-failed``);
 * pulse drops it before its body (lease lost, start refused):
   :meth:`~RequestEnds.not_run` (the store decides);
+* Celery cancels it (``worker_cancel_long_running_tasks_on_connection_loss``, a cold or
+  soft shutdown): :meth:`~RequestEnds.cancelled` (requeued, or the store decides);
 * the broker connection is lost: :meth:`~RequestEnds.connection_lost` (released).
 
 The pool's result callbacks report through :meth:`~RequestEnds.ran`, Celery's
@@ -134,6 +136,8 @@ class RequestEnds:
             self.lease_lost(claim)
         elif claim.verdict == "requeue":
             self.requeued(claim)
+        elif getattr(claim.request, "_already_cancelled", False):
+            self.cancelled(claim)
         elif not failed:
             self.succeeded(claim)
         elif isinstance(exc, Retry):
@@ -163,6 +167,23 @@ class RequestEnds:
     def failed(self, claim: LocalClaim, exc: Any) -> None:
         """An exception, ``Reject(requeue=False)``, a dead process, a hard time limit."""
         self._finish(claim, FAILED, repr(exc)[:1000])
+
+    def cancelled(self, claim: LocalClaim) -> None:
+        """Celery killed the attempt and left its message unacknowledged for the broker to
+        deliver again (a connection loss under
+        ``worker_cancel_long_running_tasks_on_connection_loss``, a cold or soft shutdown).
+
+        pulse acknowledged that message at reservation, so the claim gives the task back
+        instead: a task Recover would re-dispatch is requeued now (epoch + 1, within its
+        budget); one that must not run twice is left to expire, and Recover sends it to
+        review (it stopped halfway: its outcome is unknown).
+        """
+        if claim.start_in_background:  # its policy is redispatch
+            self.requeued(claim)
+            return
+        logger.warning("pulse: task %s epoch %d cancelled by Celery: left to Recover "
+                       "(not safe to run again)", claim.task_id, claim.epoch)
+        self.lease_lost(claim)
 
     # -- leases lost, and jobs pulse drops ------------------------------------------------
     def lease_lost(self, claim: LocalClaim) -> None:

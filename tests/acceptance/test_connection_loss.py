@@ -1,0 +1,104 @@
+"""Celery's own settings for a lost broker connection and a soft shutdown, under ``-P pulse``.
+
+Each passes under plain prefork, where the broker redelivers what Celery did not
+acknowledge. Under pulse the message was acknowledged at reservation, so the claim must
+give the task back itself:
+
+* ``worker_cancel_long_running_tasks_on_connection_loss``: the ``acks_late`` tasks Celery
+  cancels on a connection loss run again, under a new epoch, within their budget;
+* ``worker_enable_prefetch_count_reduction``: the prefetch count Celery lowers after a
+  reconnect is restored as tasks are acknowledged;
+* a soft shutdown (``worker_soft_shutdown_timeout``, SIGQUIT or a SIGTERM remapped to it)
+  on Redis: every task, the running ones and the ETA ones held, completes after a restart.
+
+Real ``celery worker -P pulse`` processes, PostgreSQL store; RabbitMQ on a vhost of the
+test's own (its connections are cut with ``rabbitmqctl``), Redis for the soft shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.acceptance.test_leases import FAST, Claims, db, events, producer
+from tests.helpers.services import cut_vhost_connections
+from tests.helpers.workers import Env, Worker, wait_alive
+
+__all__ = ["db"]  # the fixture, shared with the lease tests
+
+APP = "tests.apps.connlossapp"
+LATE = "connlossapp.late_until_told"
+RECORD = "connlossapp.record"
+CANCEL = {"worker_cancel_long_running_tasks_on_connection_loss": True}
+
+
+def app_env(make_env: Callable[..., Env], store_url: str, broker_url: str,
+            conf: dict[str, Any]) -> Env:
+    env: Env = make_env(store_url, broker_url, {**FAST, "pulse_recover_interval": 0.5, **conf})
+    env.app = APP
+    return env
+
+
+def words(path: Path, word: str) -> list[list[str]]:
+    return [e for e in events(path) if e[0] == word]
+
+
+def states(store: Claims, ids: list[str]) -> list[str | None]:
+    return [store.state(i) for i in ids]
+
+
+def started(paths: list[Path], epoch_above: int = 0) -> bool:
+    return all(any(int(e[1]) > epoch_above for e in words(p, "start")) for p in paths)
+
+
+def stats(app: Any, name: str) -> dict[str, Any] | None:
+    answer = app.control.inspect(timeout=2, destination=[name]).stats() or {}
+    found: dict[str, Any] | None = answer.get(name)
+    return found
+
+
+# -- 1. cancelled on connection loss: requeued under a new epoch -----------------------------
+@pytest.mark.parametrize("max_attempts", [3, 1])
+def test_acks_late_tasks_cancelled_on_connection_loss_run_again_within_their_budget(
+        max_attempts: int, pg_url: str, rabbitmq_vhost_url: str, tmp_path: Path,
+        make_env: Callable[..., Env], workers: Callable[..., Worker],
+        db: Callable[[str], Claims]) -> None:
+    """Two ``acks_late`` tasks run on a ``-c 2`` worker when its broker connection is cut,
+    with ``worker_cancel_long_running_tasks_on_connection_loss``: Celery cancels both.
+    With attempts left, each runs again under a later epoch and succeeds, once; with
+    ``pulse_max_attempts = 1`` neither runs again and each claim ends ``failed`` (its
+    budget spent), never revoked and forgotten."""
+    env = app_env(make_env, pg_url, rabbitmq_vhost_url,
+                  {**CANCEL, "pulse_max_attempts": max_attempts})
+    store = db(pg_url)
+    w = workers(env, "cancel@%h", concurrency=2).wait_ready()
+    paths = [tmp_path / f"late-{i}.txt" for i in range(2)]
+    with producer(env) as app:
+        ids = [app.send_task(LATE, args=[str(p)]).id for p in paths]
+        wait_alive(lambda: started(paths), 30, "both tasks to start", (w,))
+        first = [int(words(p, "start")[0][1]) for p in paths]
+        cut_vhost_connections(rabbitmq_vhost_url, "pulse test: connection loss")
+        w.wait_log(r"cannot be acknowledged after a connection loss")
+        if max_attempts > 1:
+            wait_alive(lambda: all(started([p], e) for p, e in zip(paths, first, strict=True)),
+                       30, "both tasks to start again", (w,))
+            for p in paths:  # the second run finishes
+                Path(f"{p}.go").touch()
+            wait_alive(lambda: states(store, ids) == ["succeeded"] * 2, 30,
+                       "both tasks to succeed", (w,))
+        else:
+            wait_alive(lambda: states(store, ids) == ["failed"] * 2, 30,
+                       "both claims to end failed, their budget spent", (w,))
+    for task_id, p in zip(ids, paths, strict=True):
+        row = store.get(task_id)
+        starts, ends = words(p, "start"), words(p, "end")
+        if max_attempts > 1:
+            assert (row.state, row.attempts) == ("succeeded", 2), (row, events(p))
+            assert len(starts) == 2 and int(starts[1][1]) > int(starts[0][1]), events(p)
+            assert ends == [["end", starts[1][1]]], events(p)  # the cancelled run ended
+        else:
+            assert (row.state, row.attempts) == ("failed", 1), (row, events(p))
+            assert len(starts) == 1, events(p)
