@@ -54,10 +54,16 @@ def started(paths: list[Path], epoch_above: int = 0) -> bool:
     return all(any(int(e[1]) > epoch_above for e in words(p, "start")) for p in paths)
 
 
-def stats(app: Any, name: str) -> dict[str, Any] | None:
-    answer = app.control.inspect(timeout=2, destination=[name]).stats() or {}
-    found: dict[str, Any] | None = answer.get(name)
-    return found
+def prefetch_count(env: Env, name: str) -> Any:
+    """The worker's ``prefetch_count`` as ``inspect stats`` reports it (Celery's
+    ``consumer.qos.value``); None while the broker still closes the connections the
+    test cut (``rabbitmqctl`` returns before the broker has closed them all)."""
+    with producer(env) as app:
+        try:
+            answer = app.control.inspect(timeout=2, destination=[name]).stats() or {}
+        except app.connection_for_write().connection_errors:
+            return None
+    return (answer.get(name) or {}).get("prefetch_count")
 
 
 # -- 1. cancelled on connection loss: requeued under a new epoch -----------------------------
@@ -102,3 +108,38 @@ def test_acks_late_tasks_cancelled_on_connection_loss_run_again_within_their_bud
         else:
             assert (row.state, row.attempts) == ("failed", 1), (row, events(p))
             assert len(starts) == 1, events(p)
+
+
+# -- 2. the prefetch count Celery lowers after a reconnect comes back -------------------------
+def test_the_prefetch_count_reduced_after_a_reconnect_is_restored_as_tasks_are_acknowledged(
+        pg_url: str, rabbitmq_vhost_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        workers: Callable[..., Worker], db: Callable[[str], Claims]) -> None:
+    """``worker_enable_prefetch_count_reduction`` (Celery's default): a ``-c 2`` worker
+    (prefetch 2 x 4 = 8) loses its broker connection while two tasks run; Celery lowers
+    the count to 4 (8 less 4 per running task, at least 4). Celery raises it again as
+    the requests it receives after the reconnect are acknowledged: pulse, which
+    acknowledges the broker itself, must too. Observed as Celery reports it
+    (``inspect stats``: ``prefetch_count``, the consumer's ``qos.value``)."""
+    env = app_env(make_env, pg_url, rabbitmq_vhost_url, {})
+    store = db(pg_url)
+    w = workers(env, "prefetch@%h", concurrency=2).wait_ready()
+    paths = [tmp_path / f"late-{i}.txt" for i in range(2)]
+    name = w.wait_log(r"pulse: registered (\S+)").group(1)
+    assert prefetch_count(env, name) == 8
+    with producer(env) as app:
+        ids = [app.send_task(LATE, args=[str(p)]).id for p in paths]
+    wait_alive(lambda: started(paths), 30, "both tasks to start", (w,))
+    cut_vhost_connections(rabbitmq_vhost_url, "pulse test: reconnect")
+    w.wait_log(r"Temporarily reducing the prefetch count to 4")
+    wait_alive(lambda: prefetch_count(env, name) == 4, 30,
+               "the reduced prefetch count after the reconnect", (w,), interval=0.3)
+    for p in paths:
+        Path(f"{p}.go").touch()
+    after = [tmp_path / f"after-{i}.txt" for i in range(2)]
+    with producer(env) as app:
+        ids += [app.send_task(RECORD, args=[str(p)]).id for p in after]
+    wait_alive(lambda: states(store, ids) == ["succeeded"] * 4, 30, "every task to succeed",
+               (w,))
+    wait_alive(lambda: prefetch_count(env, name) == 8, 10, "the prefetch count to be restored",
+               (w,), interval=0.3)
+    w.wait_log(r"Prefetch count has been restored to the maximum of 8")
