@@ -17,6 +17,7 @@ test's own (its connections are cut with ``rabbitmqctl``), Redis for the soft sh
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,41 @@ def test_the_prefetch_count_reduced_after_a_reconnect_is_restored_as_tasks_are_a
     wait_alive(lambda: prefetch_count(env, name) == 8, 10, "the prefetch count to be restored",
                (w,), interval=0.3)
     w.wait_log(r"Prefetch count has been restored to the maximum of 8")
+
+
+# -- 3. a soft shutdown on Redis loses nothing -------------------------------------------------
+@pytest.mark.parametrize("how", ["SIGQUIT", "SIGTERM remapped to SIGQUIT"])
+def test_a_soft_shutdown_on_redis_loses_nothing_and_every_task_runs_after_the_restart(
+        how: str, pg_url: str, redis_url: str, tmp_path: Path, make_env: Callable[..., Env],
+        workers: Callable[..., Worker], db: Callable[[str], Claims]) -> None:
+    """A ``-c 2`` worker on Redis with ``worker_soft_shutdown_timeout`` runs two
+    ``acks_late`` tasks and holds two ETA tasks when it gets a cold shutdown (SIGQUIT, or
+    SIGTERM under ``REMAP_SIGTERM=SIGQUIT``): Celery waits out the soft timeout, then
+    cancels the running tasks. After a new worker starts, every task completes, each
+    once, the running ones under a later epoch."""
+    env = app_env(make_env, pg_url, redis_url, {"worker_soft_shutdown_timeout": 1})
+    store = db(pg_url)
+    sig, extra = ((signal.SIGQUIT, {}) if how == "SIGQUIT"
+                  else (signal.SIGTERM, {"REMAP_SIGTERM": "SIGQUIT"}))
+    w = workers(env, "soft@%h", concurrency=2, extra_env=extra).wait_ready()
+    running = [tmp_path / f"late-{i}.txt" for i in range(2)]
+    scheduled = [tmp_path / f"eta-{i}.txt" for i in range(2)]
+    with producer(env) as app:
+        ids = [app.send_task(LATE, args=[str(p)]).id for p in running]
+        ids += [app.send_task(RECORD, args=[str(p)], countdown=8).id for p in scheduled]
+    wait_alive(lambda: started(running) and states(store, ids[2:]) == ["reserved"] * 2, 30,
+               "the tasks to start and the ETA ones to be reserved", (w,))
+    w.signal_main(sig)
+    w.wait_log(r"Initiating Soft Shutdown")
+    w.wait(30)
+    for p in running:
+        Path(f"{p}.go").touch()
+    again = workers(env, "soft-again@%h", concurrency=2).wait_ready()
+    wait_alive(lambda: states(store, ids) == ["succeeded"] * 4, 40, "every task to complete",
+               (again,))
+    for p in running:
+        starts = words(p, "start")
+        assert len(starts) == 2 and int(starts[1][1]) > int(starts[0][1]), events(p)
+        assert words(p, "end") == [["end", starts[1][1]]], events(p)
+    for p in scheduled:
+        assert len(words(p, "end")) == 1, events(p)
