@@ -62,6 +62,14 @@ intake_logger = logging.getLogger("celery_pulse.bootsteps.intake")
 pool_logger = logging.getLogger("celery_pulse.pool.prefork")
 
 
+def _killed_by_cancel(request: Any, exc: Any) -> bool:
+    """Celery cancelled the request and its process died of it: Celery's ``on_failure``
+    then leaves the message unsettled, for the broker. An attempt that ended by itself
+    first (returned, raised) ends as it ended, as Celery settles it."""
+    return bool(getattr(request, "_already_cancelled", False)) and isinstance(
+        exc, (Terminated, SystemExit, KeyboardInterrupt))
+
+
 class RequestEnds:
     """How Celery ended a request, turned into the end of its claim."""
 
@@ -136,7 +144,7 @@ class RequestEnds:
             self.lease_lost(claim)
         elif claim.verdict == "requeue":
             self.requeued(claim)
-        elif getattr(claim.request, "_already_cancelled", False):
+        elif failed and _killed_by_cancel(claim.request, exc):
             self.cancelled(claim)
         elif not failed:
             self.succeeded(claim)

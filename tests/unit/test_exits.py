@@ -153,3 +153,19 @@ def test_an_attempt_celery_cancelled_goes_back_or_is_left_to_recover_by_its_poli
     claim.request = SimpleNamespace(_already_cancelled=True, _already_revoked=False)
     ends.ran(claim, Terminated(15), True)
     assert worker.done == done
+
+
+@pytest.mark.parametrize(("exc", "failed", "outcome", "error"), [
+    (None, False, SUCCEEDED, None),
+    (ValueError("boom"), True, FAILED, "ValueError('boom')"),
+])
+def test_an_attempt_that_ended_by_itself_before_celerys_cancel_ends_as_it_ended(
+        exc: BaseException | None, failed: bool, outcome: str, error: str | None) -> None:
+    """Celery sets its cancel flag after it signals the process: an attempt that returned
+    or raised first is not run again (Celery settles its message as usual)."""
+    ends, worker = _ends()
+    claim = _claim()
+    claim.start_in_background = True
+    claim.request = SimpleNamespace(_already_cancelled=True, _already_revoked=False)
+    ends.ran(claim, exc, failed)
+    assert worker.done == [("free", 3), ("complete", "t-1", outcome, error)]
