@@ -55,16 +55,30 @@ def started(paths: list[Path], epoch_above: int = 0) -> bool:
     return all(any(int(e[1]) > epoch_above for e in words(p, "start")) for p in paths)
 
 
-def prefetch_count(env: Env, name: str) -> Any:
-    """The worker's ``prefetch_count`` as ``inspect stats`` reports it (Celery's
-    ``consumer.qos.value``); None while the broker still closes the connections the
-    test cut (``rabbitmqctl`` returns before the broker has closed them all)."""
+def inspect(env: Env, name: str, what: str) -> Any:
+    """``celery inspect WHAT`` of worker ``name``, asked on a connection of its own (the
+    test cuts them); None while the broker still closes the connections the test cut
+    (``rabbitmqctl`` returns before the broker has closed them all)."""
     with producer(env) as app:
         try:
-            answer = app.control.inspect(timeout=2, destination=[name]).stats() or {}
+            answer = getattr(app.control.inspect(timeout=2, destination=[name]), what)() or {}
         except app.connection_for_write().connection_errors:
             return None
-    return (answer.get(name) or {}).get("prefetch_count")
+    return answer.get(name)
+
+
+def prefetch_count(env: Env, name: str) -> Any:
+    """The worker's ``prefetch_count`` as ``inspect stats`` reports it (Celery's
+    ``consumer.qos.value``)."""
+    return (inspect(env, name, "stats") or {}).get("prefetch_count")
+
+
+def wait_active(env: Env, w: Worker, paths: list[Path]) -> None:
+    """The tasks writing to ``paths`` started, and are among Celery's active requests
+    (what Celery cancels, and what its prefetch reduction counts)."""
+    name = w.wait_log(r"pulse: registered (\S+)").group(1)
+    wait_alive(lambda: started(paths) and len(inspect(env, name, "active") or ()) == len(paths),
+               30, "the tasks to be active", (w,), interval=0.3)
 
 
 # -- 1. cancelled on connection loss: requeued under a new epoch -----------------------------
@@ -85,27 +99,27 @@ def test_acks_late_tasks_cancelled_on_connection_loss_run_again_within_their_bud
     paths = [tmp_path / f"late-{i}.txt" for i in range(2)]
     with producer(env) as app:
         ids = [app.send_task(LATE, args=[str(p)]).id for p in paths]
-        wait_alive(lambda: started(paths), 30, "both tasks to start", (w,))
-        first = [int(words(p, "start")[0][1]) for p in paths]
-        cut_vhost_connections(rabbitmq_vhost_url, "pulse test: connection loss")
-        w.wait_log(r"cannot be acknowledged after a connection loss")
-        if max_attempts > 1:
-            wait_alive(lambda: all(started([p], e) for p, e in zip(paths, first, strict=True)),
-                       30, "both tasks to start again", (w,))
-            for p in paths:  # the second run finishes
-                Path(f"{p}.go").touch()
-            wait_alive(lambda: states(store, ids) == ["succeeded"] * 2, 30,
-                       "both tasks to succeed", (w,))
-        else:
-            wait_alive(lambda: states(store, ids) == ["failed"] * 2, 30,
-                       "both claims to end failed, their budget spent", (w,))
+    wait_active(env, w, paths)
+    first = [int(words(p, "start")[0][1]) for p in paths]
+    cut_vhost_connections(rabbitmq_vhost_url, "pulse test: connection loss")
+    w.wait_log(r"cannot be acknowledged after a connection loss")
+    if max_attempts > 1:
+        wait_alive(lambda: all(started([p], e) for p, e in zip(paths, first, strict=True)),
+                   30, "both tasks to start again", (w,))
+        for p in paths:  # the second run finishes
+            Path(f"{p}.go").touch()
+        wait_alive(lambda: states(store, ids) == ["succeeded"] * 2, 30,
+                   "both tasks to succeed", (w,))
+    else:
+        wait_alive(lambda: states(store, ids) == ["failed"] * 2, 30,
+                   "both claims to end failed, their budget spent", (w,))
     for task_id, p in zip(ids, paths, strict=True):
         row = store.get(task_id)
         starts, ends = words(p, "start"), words(p, "end")
         if max_attempts > 1:
             assert (row.state, row.attempts) == ("succeeded", 2), (row, events(p))
             assert len(starts) == 2 and int(starts[1][1]) > int(starts[0][1]), events(p)
-            assert ends == [["end", starts[1][1]]], events(p)  # the cancelled run ended
+            assert ends == [["end", starts[1][1]]], events(p)  # the cancelled run never ended
         else:
             assert (row.state, row.attempts) == ("failed", 1), (row, events(p))
             assert len(starts) == 1, events(p)
@@ -129,7 +143,7 @@ def test_the_prefetch_count_reduced_after_a_reconnect_is_restored_as_tasks_are_a
     assert prefetch_count(env, name) == 8
     with producer(env) as app:
         ids = [app.send_task(LATE, args=[str(p)]).id for p in paths]
-    wait_alive(lambda: started(paths), 30, "both tasks to start", (w,))
+    wait_active(env, w, paths)
     cut_vhost_connections(rabbitmq_vhost_url, "pulse test: reconnect")
     w.wait_log(r"Temporarily reducing the prefetch count to 4")
     wait_alive(lambda: prefetch_count(env, name) == 4, 30,
@@ -166,8 +180,9 @@ def test_a_soft_shutdown_on_redis_loses_nothing_and_every_task_runs_after_the_re
     with producer(env) as app:
         ids = [app.send_task(LATE, args=[str(p)]).id for p in running]
         ids += [app.send_task(RECORD, args=[str(p)], countdown=8).id for p in scheduled]
-    wait_alive(lambda: started(running) and states(store, ids[2:]) == ["reserved"] * 2, 30,
-               "the tasks to start and the ETA ones to be reserved", (w,))
+    wait_active(env, w, running)
+    wait_alive(lambda: states(store, ids[2:]) == ["reserved"] * 2, 30,
+               "the ETA tasks to be reserved", (w,))
     w.signal_main(sig)
     w.wait_log(r"Initiating Soft Shutdown")
     w.wait(30)
