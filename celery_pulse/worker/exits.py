@@ -29,6 +29,8 @@ docs/concepts/leases.md ("Where Celery can take a request away"):
   never a ``task-failed``);
 * pulse drops it before its body (lease lost, start refused):
   :meth:`~RequestEnds.not_run` (the store decides);
+* Celery cancels it (``worker_cancel_long_running_tasks_on_connection_loss``, a cold or
+  soft shutdown): :meth:`~RequestEnds.cancelled` (requeued, or the store decides);
 * the broker connection is lost: :meth:`~RequestEnds.connection_lost` (released).
 
 The pool's result callbacks report through :meth:`~RequestEnds.ran`, Celery's
@@ -60,6 +62,14 @@ from celery_pulse.worker.ports import WorkerForExits
 logger = logging.getLogger("celery_pulse.bootsteps.runtime")
 intake_logger = logging.getLogger("celery_pulse.bootsteps.intake")
 pool_logger = logging.getLogger("celery_pulse.pool.prefork")
+
+
+def _killed_by_cancel(request: Any, exc: Any) -> bool:
+    """Celery cancelled the request and its process died of it: Celery's ``on_failure``
+    then leaves the message unsettled, for the broker. An attempt that ended by itself
+    first (returned, raised) ends as it ended, as Celery settles it."""
+    return bool(getattr(request, "_already_cancelled", False)) and isinstance(
+        exc, (Terminated, SystemExit, KeyboardInterrupt))
 
 
 class RequestEnds:
@@ -138,6 +148,8 @@ class RequestEnds:
             self.ran_stale(claim, exc, failed)
         elif claim.verdict == "requeue":
             self.requeued(claim)
+        elif failed and _killed_by_cancel(claim.request, exc):
+            self.cancelled(claim)
         elif not failed:
             self.succeeded(claim)
         elif isinstance(exc, Retry):
@@ -167,6 +179,23 @@ class RequestEnds:
     def failed(self, claim: LocalClaim, exc: Any) -> None:
         """An exception, ``Reject(requeue=False)``, a dead process, a hard time limit."""
         self._finish(claim, FAILED, repr(exc)[:1000])
+
+    def cancelled(self, claim: LocalClaim) -> None:
+        """Celery killed the attempt and left its message unacknowledged for the broker to
+        deliver again (a connection loss under
+        ``worker_cancel_long_running_tasks_on_connection_loss``, a cold or soft shutdown).
+
+        pulse acknowledged that message at reservation, so the claim gives the task back
+        instead: a task Recover would re-dispatch is requeued now (epoch + 1, within its
+        budget); one that must not run twice is left to expire, and Recover sends it to
+        review (it stopped halfway: its outcome is unknown).
+        """
+        if claim.start_in_background:  # its policy is redispatch
+            self.requeued(claim)
+            return
+        logger.warning("pulse: task %s epoch %d cancelled by Celery: left to Recover "
+                       "(not safe to run again)", claim.task_id, claim.epoch)
+        self.lease_lost(claim)
 
     # -- leases lost, and jobs pulse drops ------------------------------------------------
     def lease_lost(self, claim: LocalClaim) -> None:

@@ -377,8 +377,8 @@ class Intake:
         exits = self.pulse.exits
         try:
             with handing(self.received, claim):  # its task-received carries the attempt
-                inner(message, body, CeleryVerdict(exits, claim, "ack"),
-                      CeleryVerdict(exits, claim, "reject"), callbacks)
+                inner(message, body, CeleryVerdict(exits, claim, "ack", self.consumer),
+                      CeleryVerdict(exits, claim, "reject", self.consumer), callbacks)
         except Exception as exc:
             exits.refused_by_strategy(claim, exc)
 

@@ -153,3 +153,38 @@ def test_a_stale_attempts_dead_process_is_sent_as_an_attempt_end_not_a_task_fail
     assert type_ == "pulse-attempt-ended"
     assert (fields["epoch"], fields["outcome"], fields["reason"]) == (1, "failed", "taken over")
     assert "LeaseLost" in fields["exception"]
+
+
+@pytest.mark.parametrize(("redispatch", "done"), [
+    (True, [("free", 3), ("forget", "t-1"), ("requeue", "t-1")]),
+    (False, [("free", 3), ("forget", "t-1")]),
+])
+def test_an_attempt_celery_cancelled_goes_back_or_is_left_to_recover_by_its_policy(
+        redispatch: bool, done: list[tuple[Any, ...]]) -> None:
+    """Celery cancels running requests on a broker connection loss
+    (``worker_cancel_long_running_tasks_on_connection_loss``) and at a cold or soft
+    shutdown, leaving their messages for the broker to deliver again: a task Recover would
+    re-dispatch is requeued (epoch + 1), one that must not run twice is left to expire
+    (Recover sends it to review). Never ended ``revoked``, as a terminate would be."""
+    ends, worker = _ends()
+    claim = _claim()
+    claim.start_in_background = redispatch
+    claim.request = SimpleNamespace(_already_cancelled=True, _already_revoked=False)
+    ends.ran(claim, Terminated(15), True)
+    assert worker.done == done
+
+
+@pytest.mark.parametrize(("exc", "failed", "outcome", "error"), [
+    (None, False, SUCCEEDED, None),
+    (ValueError("boom"), True, FAILED, "ValueError('boom')"),
+])
+def test_an_attempt_that_ended_by_itself_before_celerys_cancel_ends_as_it_ended(
+        exc: BaseException | None, failed: bool, outcome: str, error: str | None) -> None:
+    """Celery sets its cancel flag after it signals the process: an attempt that returned
+    or raised first is not run again (Celery settles its message as usual)."""
+    ends, worker = _ends()
+    claim = _claim()
+    claim.start_in_background = True
+    claim.request = SimpleNamespace(_already_cancelled=True, _already_revoked=False)
+    ends.ran(claim, exc, failed)
+    assert worker.done == [("free", 3), ("complete", "t-1", outcome, error)]
