@@ -57,11 +57,15 @@ def lease_lost(lease: Lease, frame: FrameType | None) -> LeaseLost:
     global _interrupted
     _interrupted = True
     error = lease.lost_error()
-    for conn in _mysql_connections(frame):
-        killer = threading.Thread(target=_kill_query, args=(conn,), daemon=True,
-                                  name="pulse-kill-query")
-        killer.start()
-        _killers.append(killer)
+    try:
+        for conn in _mysql_connections(frame):
+            killer = threading.Thread(target=_kill_query, args=_kill_target(conn),
+                                      daemon=True, name="pulse-kill-query")
+            killer.start()
+            _killers.append(killer)
+    except Exception as exc:  # never instead of the LeaseLost
+        logger.warning("pulse: cannot cancel the statement of a task whose lease was "
+                       "lost: %r", exc)
     return LeaseLost(*error.args)
 
 
@@ -78,19 +82,25 @@ def _mysql_connections(frame: FrameType | None) -> list[Any]:
     return found
 
 
-def _kill_query(conn: Any) -> None:
-    """``KILL QUERY`` the statement ``conn`` waits for, from a connection of its own."""
+def _kill_target(conn: Any) -> tuple[int, dict[str, Any]]:
+    """The server thread to kill and how to reach its server, read now: PyMySQL forgets
+    its socket as the interruption unwinds through it."""
+    user = conn.user.decode() if isinstance(conn.user, bytes) else conn.user
+    # TLS as the task's connection had it: its context where it was required, else
+    # PyMySQL's default (TLS if the server offers it).
+    tls = {"ssl": conn.ctx} if getattr(conn, "_ssl_required", False) else {}
+    return int(conn.thread_id()), {"host": conn.host, "port": conn.port, "user": user,
+                                   "password": conn.password,
+                                   "unix_socket": conn.unix_socket, **tls}
+
+
+def _kill_query(thread_id: int, server: dict[str, Any]) -> None:
+    """``KILL QUERY`` the statement of server thread ``thread_id``, from a connection of
+    its own."""
     try:
         import pymysql
 
-        thread_id = conn.thread_id()
-        user = conn.user.decode() if isinstance(conn.user, bytes) else conn.user
-        # TLS as the task's connection had it: its context where it was required,
-        # else PyMySQL's default (TLS if the server offers it).
-        tls = {"ssl": conn.ctx} if getattr(conn, "_ssl_required", False) else {}
-        side = pymysql.connect(host=conn.host, port=conn.port, user=user,
-                               password=conn.password, unix_socket=conn.unix_socket,
-                               connect_timeout=KILL_TIMEOUT_S, **tls)
+        side = pymysql.connect(connect_timeout=KILL_TIMEOUT_S, **server)
         try:
             with side.cursor() as cursor:
                 cursor.execute(f"KILL QUERY {int(thread_id)}")
@@ -98,7 +108,7 @@ def _kill_query(conn: Any) -> None:
             side.close()
     except Exception as exc:  # the statement then ends when the server notices
         logger.warning("pulse: could not cancel the statement of a task whose lease was "
-                       "lost (KILL QUERY): %s", exc)
+                       "lost (KILL QUERY %d): %s", thread_id, exc)
 
 
 def plain(traced: Any) -> Any:
