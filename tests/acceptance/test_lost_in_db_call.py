@@ -26,10 +26,13 @@ from tests.acceptance.test_leases import (
     producer,
     wait_event,
 )
+from tests.conftest import filesystem_broker
 from tests.helpers.workers import Env, Worker, wait_for
 
-#: (store server, how the task reaches the database)
-ROUTES = [("postgres", "psycopg"), ("postgres", "sqlalchemy"), ("mariadb", "pymysql")]
+#: (store server, how the task reaches the database, broker): RabbitMQ, and once the
+#: ``filesystem://`` broker, whose worker runs Celery's synchronous loop (no hub).
+ROUTES = [("postgres", "psycopg", "rabbitmq"), ("postgres", "sqlalchemy", "rabbitmq"),
+          ("mariadb", "pymysql", "rabbitmq"), ("postgres", "psycopg", "filesystem")]
 
 #: Seconds the interrupted statement would still run if nobody cancelled it.
 SLEEP_S = 30
@@ -47,14 +50,18 @@ def _statement_running(store_db: Claims, server: str, session: int) -> bool:
     return bool(store_db.execute(sql, sid=session).scalar_one())
 
 
-@pytest.mark.parametrize(("server_url", "via"), ROUTES, indirect=["server_url"],
-                         ids=[f"{s}-{v}" for s, v in ROUTES])
+@pytest.mark.parametrize(("server_url", "via", "broker"), ROUTES, indirect=["server_url"],
+                         ids=["-".join(route) for route in ROUTES])
 def test_lease_lost_inside_a_db_call_ends_leaselost_and_the_slot_stays_usable(
-        server_url: str, via: str, request: pytest.FixtureRequest, rabbitmq_url: str,
+        server_url: str, via: str, broker: str, request: pytest.FixtureRequest,
         tmp_path: Path, make_env: Callable[..., Env], workers: Callable[..., Worker],
         db: Callable[[str], Claims]) -> None:  # noqa: F811
     server = request.node.callspec.params["server_url"]
-    env = make_env(server_url, rabbitmq_url, FAST)
+    if broker == "filesystem":
+        broker_url, conf = filesystem_broker(tmp_path)
+    else:
+        broker_url, conf = request.getfixturevalue("rabbitmq_url"), {}
+    env = make_env(server_url, broker_url, {**FAST, **conf})
     env.app = "tests.apps.dbcallapp"
     store_db = db(server_url)
     w = workers(env, "dbcall@%h").wait_ready()
