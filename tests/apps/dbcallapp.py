@@ -48,8 +48,12 @@ def _connection(via: str) -> Any:
     return _kept[via]
 
 
-def _sleep_sql(via: str) -> str:
-    return "SELECT SLEEP(%d)" if via == "pymysql" else "SELECT pg_sleep(%d)"
+def _on_mysql() -> bool:
+    return _url().get_backend_name() in ("mysql", "mariadb")
+
+
+def _sleep_sql() -> str:
+    return "SELECT SLEEP(%d)" if _on_mysql() else "SELECT pg_sleep(%d)"
 
 
 def _run(via: str, sql: str, session_id: bool = False) -> Any:
@@ -71,7 +75,7 @@ def _run(via: str, sql: str, session_id: bool = False) -> Any:
 
 
 def _session_id(via: str) -> int:
-    return int(_run(via, "SELECT CONNECTION_ID()" if via == "pymysql"
+    return int(_run(via, "SELECT CONNECTION_ID()" if _on_mysql()
                     else "SELECT pg_backend_pid()"))
 
 
@@ -80,7 +84,7 @@ def sleep_in_db(path: str, via: str, seconds: int) -> Any:
     """Wait ``seconds`` inside one database statement; record what interrupted it."""
     mark(path, "start", os.getpid(), _session_id(via))
     try:
-        value = _run(via, _sleep_sql(via) % seconds)
+        value = _run(via, _sleep_sql() % seconds)
     except BaseException as exc:
         mark(path, "raised", type(exc).__module__ + "." + type(exc).__qualname__)
         raise
