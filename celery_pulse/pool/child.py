@@ -10,7 +10,9 @@ start itself (``start_in_child``). In the child it:
 2. makes the lease visible to the task (``current_lease()``);
 3. arms a ``SIGUSR2`` handler: when the parent revokes the lease, the handler raises
    :class:`LeaseLost` — but only while the task's own code is on the stack, never
-   inside Celery's tracer after the body (that must finish recording the outcome);
+   inside Celery's tracer after the body (that must finish recording the outcome).
+   Raised so that a database call it lands in is cancelled on the server, and the
+   process is replaced after the job (:mod:`~celery_pulse.pool.interrupt`);
 4. guards the task's result backend: a stale attempt (its lease lost) never writes its
    state there, so a chord counts, and ``AsyncResult.get()`` sees, only the attempt
    that holds the lease. The lease is checked right before each write, so the window
@@ -39,6 +41,7 @@ from typing import Any
 from celery_pulse.backend import carried_by_completions, deferred_result, record_fields
 from celery_pulse.errors import LeaseLost, PulseError
 from celery_pulse.lease import Lease, current_lease, set_current
+from celery_pulse.pool import interrupt
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.store.base import LIVE_STATES, OPEN
 from celery_pulse.store.sql.fence import make_fencer
@@ -137,9 +140,10 @@ def _on_lease_signal(signum: int, frame: FrameType | None) -> None:
     lease.mark_lost()
     if lease.raised:  # the task is unwinding a LeaseLost already: don't interrupt that
         return
+    here = frame
     while frame is not None:
         if frame.f_code in codes:
-            raise lease.lost_error()
+            raise interrupt.lease_lost(lease, here)
         frame = frame.f_back
 
 
@@ -278,9 +282,9 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
     _guard_backend(backend)
     try:
         if not _carried(backend):  # another backend, or results in a store of their own
-            return target(*args, **kwargs)
+            return interrupt.plain(target(*args, **kwargs))
         with deferred_result(task_id) as deferral:
-            value = target(*args, **kwargs)
+            value = interrupt.plain(target(*args, **kwargs))
         if deferral.record is not None:
             return (RECORDED, value, record_fields(deferral.record), deferral.chord)
         return value
@@ -289,3 +293,4 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         if lease.raised:
             _report_lost(lease, args[0])
         set_current(None)
+        interrupt.settle()  # an interrupted process is replaced before its next job

@@ -73,6 +73,10 @@ class TaskPool(prefork.TaskPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # billiard's per-process restart event: a child a lost lease interrupted asks
+        # with it to be replaced before its next job (:mod:`celery_pulse.pool.interrupt`).
+        # It does not enable the ``pool_restart`` command (``worker_pool_restarts``).
+        self.options["allow_restart"] = True
         #: Retried starts queued in Celery's semaphore for a pool process.
         self._awaiting_process: dict[LeaseKey,
                                      tuple[LocalClaim, tuple[Any, Any, Any, dict[str, Any]]]] = {}
