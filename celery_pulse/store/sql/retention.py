@@ -37,9 +37,12 @@ class SqlRetention:
 
     def retention_lag(self, older_than: float) -> float:
         now = self.conns.now
-        oldest = (sa.select(sa.func.min(claims.c.finished_at))
+        # The first row of ``ix_pulse_claims_finished`` in a finished state (MIN() would
+        # make MariaDB read every row past retention).
+        oldest = (sa.select(claims.c.finished_at)
                   .where(claims.c.state.in_(FINISHED_STATES),
-                         claims.c.finished_at < now - older_than).scalar_subquery())
+                         claims.c.finished_at < now - older_than)
+                  .order_by(claims.c.finished_at).limit(1).scalar_subquery())
         with translated("retention_lag"), self.conns.read() as conn:
             lag = conn.execute(sa.select(now - older_than - oldest)).scalar_one()
         return 0.0 if lag is None else max(0.0, float(lag))
