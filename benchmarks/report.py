@@ -168,6 +168,9 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
     pm = sec.get("permits")
     if _ok(pm):
         rows += permits_rows(pm)
+    rt = sec.get("retention")
+    if _ok(rt):
+        rows += retention.summary_rows(rt)
     ll = sec.get("leaseloss")
     if _ok(ll):
         rows.append(["Store-side takeover → LeaseLost in the task (median / max)",

@@ -119,6 +119,15 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                                     for kind in STORES]}
 
 
+def summary_rows(data: dict[str, Any]) -> list[list[str]]:
+    """The summary table's rows (What, pulse, Baseline, Ratio / detail, Target, Verdict)."""
+    return [[f"Retention, {c['tasks']:,} no-op at {c['task_rate']:,.0f} tasks/s, "
+             f"{STORE_NAMES[c['store']]}: finished claims past retention + interval at the end",
+             f"{c['final_past_bound']:,}", "—", f"purged {c['purge_rate']:,.0f}/s meanwhile",
+             "0", "met" if c["final_past_bound"] == 0 else "**missed**"]
+            for c in data["cases"]]
+
+
 def markdown(data: dict[str, Any], lines: list[str]) -> None:
     """The section of docs/benchmarks.md."""
     rows = [[STORE_NAMES[c["store"]], f"{c['tasks']:,}", f"{c['task_rate']:,.0f}/s",
@@ -132,8 +141,9 @@ def markdown(data: dict[str, Any], lines: list[str]) -> None:
               "Target: 0 at the end"]
     lines += [f"One `-P pulse -c 2` worker (beat on: the leader purges), RabbitMQ, settings "
               f"{data['conf']}. Purge rate while the tasks ran: finished claims the worker "
-              f"purged (`pulse.recover.purged`) by the end of the run, over the run's length "
-              f"(the last {RETENTION:g} s of tasks are still inside retention then); the stat "
+              f"purged (`pulse.recover.purged`, read with `celery inspect stats` right after the last "
+              f"task) over the run's length (the last {RETENTION:g} s of tasks are still "
+              f"inside retention then); the stat "
               f"is `pulse.retention.purged_per_second` read after the tail was purged. The "
               f"old purge's ceiling was 500 a minute (8.3/s). \"Past retention + "
               f"interval\" counts finished claims older than {RETENTION + INTERVAL:g} s by the "
