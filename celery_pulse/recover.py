@@ -14,9 +14,9 @@ under a new epoch) and acts on the verdict:
 The same thread purges what is past the retention window every ``purge_every`` seconds,
 a pass of small batches until nothing is left (:mod:`celery_pulse.store.retention`),
 within :data:`PURGE_BUDGET` so its scans wait little (a pass cut short goes on at the
-thread's next turn); and it gives claims back for another delivery when their holder asks (:meth:`requeue`:
-Celery's ``Reject(requeue=True)`` and the other requeue paths), publishing them the
-same way.
+thread's next turn). And it gives claims back for another delivery when their holder
+asks (:meth:`requeue`: Celery's ``Reject(requeue=True)`` and the other requeue paths),
+publishing them the same way.
 """
 
 from __future__ import annotations
