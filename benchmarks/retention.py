@@ -142,9 +142,9 @@ def markdown(data: dict[str, Any], lines: list[str]) -> None:
               "Target: 0 at the end"]
     lines += [f"One `-P pulse -c 2` worker (beat on: the leader purges), RabbitMQ, settings "
               f"{data['conf']}. Purge rate while the tasks ran: finished claims the worker "
-              f"purged (`pulse.recover.purged`, read with `celery inspect stats` right after the last "
-              f"task) over the run's length (the last {RETENTION:g} s of tasks are still "
-              f"inside retention then); the stat "
+              f"purged (`pulse.recover.purged`, read with `celery inspect stats` right after "
+              f"the last task, a call that takes a few seconds) over the run's length (the "
+              f"last {RETENTION:g} s of tasks are still inside retention then); the stat "
               f"is `pulse.retention.purged_per_second` read after the tail was purged. The "
               f"old purge's ceiling was 500 a minute (8.3/s). \"Past retention + "
               f"interval\" counts finished claims older than {RETENTION + INTERVAL:g} s by the "
