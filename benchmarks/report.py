@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from benchmarks import retention
+
 STORE_LABEL = {"prefork": "prefork", "pulse-postgres": "pulse · PostgreSQL",
                "pulse-sqlite": "pulse · SQLite", "pulse-mariadb": "pulse · MariaDB",
                "prefork-sqla": "prefork + SQLAlchemy result backend · PostgreSQL",
@@ -166,6 +168,9 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
     pm = sec.get("permits")
     if _ok(pm):
         rows += permits_rows(pm)
+    rt = sec.get("retention")
+    if _ok(rt):
+        rows += retention.summary_rows(rt)
     ll = sec.get("leaseloss")
     if _ok(ll):
         rows.append(["Store-side takeover → LeaseLost in the task (median / max)",
@@ -672,6 +677,8 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
              "unlimited one", lambda d, ls: _md_permits(d, ls, img))
     _section(lines, results, "gateway", "10. Through the lease gateway (issue 18)",
              _md_gateway)
+    _section(lines, results, "retention", "11. Retention at the highest task rate (issue 35)",
+             retention.markdown)
     lines += ["", "## How the runner measures", "",
               "- Every broker queue, PostgreSQL schema, MariaDB database and SQLite file is fresh "
               "per run and migrated first; every process the runner starts lives in its own process group "

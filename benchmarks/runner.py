@@ -26,6 +26,7 @@ from benchmarks import (
     profile,
     recovery,
     report,
+    retention,
     scale,
     sqlcost,
     throughput,
@@ -42,6 +43,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "drivers": drivers.run,
     "permits": permits.run,
     "gateway": gateway.run,
+    "retention": retention.run,
 }
 
 

@@ -11,10 +11,12 @@ under a new epoch) and acts on the verdict:
   is unknown; a human decides (``celery pulse review``).
 * ``failed``: the attempt budget is spent.
 
-The same thread purges finished claims past the retention window, in small batches,
-and gives claims back for another delivery when their holder asks (:meth:`requeue`:
-Celery's ``Reject(requeue=True)`` and the other requeue paths), publishing them the
-same way.
+The same thread purges what is past the retention window every ``purge_every`` seconds,
+a pass of small batches until nothing is left (:mod:`celery_pulse.store.retention`),
+within :data:`PURGE_BUDGET` so its scans wait little (a pass cut short goes on at the
+thread's next turn). And it gives claims back for another delivery when their holder
+asks (:meth:`requeue`: Celery's ``Reject(requeue=True)`` and the other requeue paths),
+publishing them the same way.
 """
 
 from __future__ import annotations
@@ -22,14 +24,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from celery_pulse.errors import PulseError
 from celery_pulse.service import Service
 from celery_pulse.store.base import OPEN, LeaseKey, Recovered, RecoverStore
 
 logger = logging.getLogger(__name__)
+
+#: Longest one purge pass keeps Recover's thread (seconds).
+PURGE_BUDGET = 1.0
+#: The purge rate in the stats is the rows purged over the last this many seconds.
+RATE_WINDOW = 60.0
 
 
 class RecoverListener(Protocol):
@@ -46,7 +54,8 @@ class Recoverer(Service):
     def __init__(self, store: RecoverStore, scanner: str, *, interval: float, batch: int,
                  publish_ttl: float, retention: float, purge_every: float = 60.0,
                  publish: Callable[[Recovered], None], listener: RecoverListener,
-                 purge: Callable[[float], int] | None = None,
+                 purge: Callable[[float, float], int | None] | None = None,
+                 lag: Callable[[float], float] | None = None,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         super().__init__("pulse-recover", join_timeout=10)
         self.store = store
@@ -58,11 +67,18 @@ class Recoverer(Service):
         self.purge_every = purge_every
         self.publish = publish
         self.listener = listener
+        #: One purge pass (retention, budget): the claims purged, None when it is not this
+        #: worker's job; ``lag`` reads how far behind retention is (the store's
+        #: ``retention_lag``).
         self.purge = purge
+        self.lag = lag
         self.monotonic = monotonic
         self.counts = {"recovered": 0, "redispatched": 0, "needs_review": 0, "failed": 0,
                        "purged": 0, "requeued": 0}
         self._next_purge = 0.0
+        self._started = monotonic()
+        self._lag: float | None = None
+        self._purges: deque[tuple[float, int]] = deque()
         self._requeues: list[LeaseKey] = []
         self._lock = threading.Lock()
 
@@ -108,8 +124,9 @@ class Recoverer(Service):
                     taken = self.scan_once()
                     if len(taken) >= self.batch:
                         next_scan = 0.0  # more are waiting
-                    self.maybe_purge()
-                delay = max(0.0, next_scan - self.monotonic())
+                self.maybe_purge()
+                due = next_scan if self.purge is None else min(next_scan, self._next_purge)
+                delay = max(0.0, due - self.monotonic())
             except PulseError as exc:
                 logger.warning("pulse: recover scan failed: %s", exc)
             except Exception:
@@ -168,12 +185,38 @@ class Recoverer(Service):
     def maybe_purge(self) -> None:
         if self.purge is None:
             return
-        now = self.monotonic()
-        if now < self._next_purge:
+        began = self.monotonic()
+        if began < self._next_purge:
             return
-        self._next_purge = now + self.purge_every
-        purged = self.purge(self.retention)
-        self.counts["purged"] += purged
+        self._next_purge = began + self.purge_every
+        purged = self.purge(self.retention, PURGE_BUDGET)
+        if purged is None:  # another worker's job (the leader's)
+            with self._lock:
+                self._lag = None
+                self._purges.clear()
+            return
+        done = self.monotonic()
+        if done - began >= PURGE_BUDGET:  # cut short: more may wait, go on at the next turn
+            self._next_purge = done
+        lag = self.lag(self.retention) if self.lag is not None else None
+        with self._lock:
+            self.counts["purged"] += purged
+            self._lag = lag
+            self._purges.append((done, purged))
         if purged:
             logger.info("pulse: purged %d finished claim(s) older than %gs", purged,
                         self.retention)
+
+    def retention_stats(self) -> dict[str, Any]:
+        """Retention's pace on this worker: ``lag`` (seconds the oldest finished claim is
+        past retention, None: this worker does not purge) and ``purged_per_second``
+        (finished claims over the last :data:`RATE_WINDOW` seconds)."""
+        now = self.monotonic()
+        with self._lock:
+            while self._purges and self._purges[0][0] < now - RATE_WINDOW:
+                self._purges.popleft()
+            purged = sum(n for _, n in self._purges)
+            lag = self._lag
+        span = min(RATE_WINDOW, now - self._started)
+        return {"lag": None if lag is None else round(lag, 3),
+                "purged_per_second": round(purged / span, 3) if span > 0 else 0.0}

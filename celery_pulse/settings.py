@@ -93,6 +93,9 @@ class Settings:
     retention: float = dataclasses.field(
         default=86400.0, metadata=_doc("How long finished claims are kept (duplicate window, audit).",
                                        "1 day"))
+    purge_interval: float = dataclasses.field(
+        default=60.0, metadata=_doc("How often retention's purge runs (one pass: every row past "
+                                    "pulse_retention, in batches).", "60 s"))
     beat: bool = dataclasses.field(
         default=True, metadata=_doc("Run the leader-elected beat inside -P pulse workers.", "on"))
     beat_catchup: str = dataclasses.field(
@@ -169,7 +172,7 @@ class Settings:
                 f"use one of {', '.join(STORE_SCHEMES)}", setting="pulse_store_url")
         for name in ("worker_ttl", "lease_ttl", "leader_ttl", "heartbeat_interval",
                      "renew_interval", "leader_interval", "recover_interval", "retention",
-                     "store_connect_timeout", "metrics_interval"):
+                     "purge_interval", "store_connect_timeout", "metrics_interval"):
             if getattr(self, name) <= 0:
                 raise InvalidConfig(f"pulse_{name} must be > 0, got {getattr(self, name)!r}",
                                     setting=f"pulse_{name}")

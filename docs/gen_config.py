@@ -54,6 +54,7 @@ RULES: dict[str, Rule] = {
     "recover_interval": Rule(_POSITIVE, {"pulse_recover_interval": 0}),
     "recover_batch": Rule("an integer >= 1", {"pulse_recover_batch": 0}),
     "retention": Rule(_POSITIVE, {"pulse_retention": 0}),
+    "purge_interval": Rule(_POSITIVE, {"pulse_purge_interval": 0}),
     "beat": Rule("a boolean (`True`/`False`, or `on`/`off`, `yes`/`no`, `1`/`0`)",
                  {"pulse_beat": "sometimes"}),
     "beat_catchup": Rule("`latest` or `all`", {"pulse_beat_catchup": "every"}),

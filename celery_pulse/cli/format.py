@@ -130,6 +130,16 @@ def review_lines(items: list[dict[str, Any]], app: str) -> list[str]:
     return lines
 
 
+def retention_line(retention: dict[str, float]) -> str:
+    """Retention's lag: yellow once the purge is more than an interval (and its time
+    budget) behind."""
+    line = (f"retention: oldest finished claim {retention['lag']:.1f}s past "
+            f"pulse_retention ({retention['retention']:g}s), purge every "
+            f"{retention['purge_interval']:g}s")
+    behind = retention["lag"] > retention["purge_interval"] + 1.0
+    return click.style(line, fg="yellow") if behind else line
+
+
 def status_lines(payload: dict[str, Any]) -> list[str]:
     """The cluster at a glance (``pulse status``)."""
     c = payload["claims"]
@@ -150,6 +160,7 @@ def status_lines(payload: dict[str, Any]) -> list[str]:
         if permit["running"] or permit["waiting"]:
             lines.append(f"permits {permit['key']}: {permit['running']} of {permit['limit']} "
                          f"running, {permit['waiting']} waiting")
+    lines.append(retention_line(payload["retention"]))
     review_line = f"needs review: {c['needs_review']}"
     lines.append(click.style(review_line, fg="red") if c["needs_review"] else review_line)
     lines += [click.style(f"! {problem}", fg="red") for problem in payload["needs_attention"]]

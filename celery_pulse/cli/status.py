@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from celery_pulse.cli import format as fmt
-from celery_pulse.cli.context import echo_json, echo_lines, opened_store
+from celery_pulse.cli.context import echo_json, echo_lines, opened_store, settings_of
 from celery_pulse.cli.workers import workers_payload
 from celery_pulse.store.sql import SqlStore
 
@@ -31,6 +31,14 @@ def leader_payload(store: SqlStore) -> dict[str, Any] | None:
         return None
     return {"holder": info.holder, "epoch": info.epoch, "alive": info.alive,
             "lease_remaining": round(info.lease_remaining, 3), "acquired_at": info.acquired_at}
+
+
+def retention_payload(ctx: click.Context, store: SqlStore) -> dict[str, float]:
+    """How far retention's purge is behind: ``lag``, the seconds the oldest finished claim
+    is past ``pulse_retention`` (more than one purge interval: it does not keep up)."""
+    settings = settings_of(ctx)
+    return {"retention": settings.retention, "purge_interval": settings.purge_interval,
+            "lag": round(store.retention_lag(settings.retention), 3)}
 
 
 def status_payload(ctx: click.Context, store: SqlStore) -> dict[str, Any]:
@@ -52,6 +60,7 @@ def status_payload(ctx: click.Context, store: SqlStore) -> dict[str, Any]:
             "workers_dead": sum(not r["alive"] for r in rows),
             "leader": leader, "schedule": has_schedule, "claims": claims,
             "permits": [dataclasses.asdict(u) for u in store.permit_usage()],
+            "retention": retention_payload(ctx, store),
             "needs_attention": problems}
 
 

@@ -258,7 +258,8 @@ class GatewayStore(RegistryStore, ClaimStore):
     def permit_signals(self) -> AbstractContextManager[PermitSignals] | None:
         return None
 
-    def purge_finished(self, older_than: float, limit: int = 500) -> int:
+    def purge_finished(self, older_than: float, limit: int = 500,
+                       budget: float | None = None) -> int:
         return 0
 
     def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000

@@ -13,13 +13,12 @@ from celery_pulse.store.channels import (
     PermitSignals,
 )
 from celery_pulse.store.contracts import (
-    BeatStore,
     ClaimStore,
-    LeaderStore,
     RecoverStore,
     RegistryStore,
     Store,
 )
+from celery_pulse.store.leader_contracts import BeatStore, LeaderStore
 from celery_pulse.store.records import (
     FAILED,
     FINISHED_STATES,

@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from celery_pulse.store.channels import PendingExchange, PermitSignals
+from celery_pulse.store.leader_contracts import BeatStore, LeaderStore
 from celery_pulse.store.pages import ClaimDetail, ClaimPage, ClaimQuery
 from celery_pulse.store.records import (
     ClaimInfo,
@@ -31,8 +32,6 @@ from celery_pulse.store.records import (
     Exchanged,
     Grant,
     Heartbeat,
-    LeaderGrant,
-    LeaderInfo,
     Permit,
     PermitUsage,
     Recovered,
@@ -40,8 +39,6 @@ from celery_pulse.store.records import (
     Registration,
     ReserveRequest,
     ReviewItem,
-    ScheduleRow,
-    Slot,
     WorkerInfo,
 )
 
@@ -249,9 +246,18 @@ class ClaimStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def purge_finished(self, older_than: float, limit: int = 500) -> int:
-        """Delete up to ``limit`` finished claims older than ``older_than`` seconds (and
-        as many results of the ``pulse://`` backend past their ``result_expires``)."""
+    def purge_finished(self, older_than: float, limit: int = 500,
+                       budget: float | None = None) -> int:
+        """Retention's pass (:mod:`celery_pulse.store.retention`): delete finished claims
+        (never ``needs_review``) and evidence older than ``older_than`` seconds, past
+        permit holds and results past their ``result_expires``, in batches of at most
+        ``limit`` of each, repeated while one came back full and ``budget`` seconds (None:
+        unbounded; 0: one batch) are left. The finished claims deleted."""
+
+    def retention_lag(self, older_than: float) -> float:
+        """How long the oldest finished claim retention purges has been older than
+        ``older_than`` seconds, by the store clock (0.0: none is)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
@@ -338,63 +344,6 @@ class RecoverStore(abc.ABC):
                        expected_epoch: int | None = None) -> None:
         """Close a needs-review task as ``succeeded`` or ``failed`` (recorded for audit);
         :class:`~celery_pulse.errors.Moved` as :meth:`review_retry`."""
-
-
-class LeaderStore(abc.ABC):
-    """Leader election (seed 001 ``LeaseStore``)."""
-
-    @abc.abstractmethod
-    def try_acquire(self, key: str, holder: str, ttl: float, token: str | None = None
-                    ) -> LeaderGrant | None:
-        """One atomic conditional upsert judged by the store clock.
-
-        Succeeds when the key is free, its lease expired, or ``token`` is the current
-        token (a renewal: same token and epoch, lease extended). A new term gets a new
-        token and ``epoch + 1``. Returns None when someone else holds a live lease.
-        """
-
-    @abc.abstractmethod
-    def release_leader(self, key: str, token: str) -> bool:
-        """End the lease now, only if ``token`` is current."""
-
-    @abc.abstractmethod
-    def get_leader(self, key: str) -> LeaderInfo | None: ...
-
-
-class BeatStore(abc.ABC):
-    """Exactly-once periodic slots and the dynamic schedule."""
-
-    @abc.abstractmethod
-    def last_run(self) -> dict[str, float]:
-        """``last_run_at`` (the due time of the latest slot) per entry."""
-
-    @abc.abstractmethod
-    def init_last_run(self, entry: str, at: float) -> float:
-        """Set ``last_run_at`` if the entry has none; returns the stored value."""
-
-    @abc.abstractmethod
-    def fire_slot(self, key: str, token: str, epoch: int, slot: Slot) -> bool:
-        """Insert the slot and advance ``last_run_at``, only while ``(token, epoch)``
-        is the live leader term by the store clock. False if the slot existed already
-        or the term is over."""
-
-    @abc.abstractmethod
-    def mark_slot_published(self, entry: str, due_at: float) -> None: ...
-
-    @abc.abstractmethod
-    def unpublished_slots(self, limit: int = 100) -> list[Slot]: ...
-
-    @abc.abstractmethod
-    def list_schedule(self) -> list[ScheduleRow]: ...
-
-    @abc.abstractmethod
-    def put_schedule(self, row: ScheduleRow) -> None: ...
-
-    @abc.abstractmethod
-    def remove_schedule(self, name: str) -> bool: ...
-
-    @abc.abstractmethod
-    def set_schedule_enabled(self, name: str, enabled: bool) -> bool: ...
 
 
 class Store(RegistryStore, ClaimStore, RecoverStore, LeaderStore, BeatStore):

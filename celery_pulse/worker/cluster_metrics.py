@@ -58,6 +58,8 @@ class ClusterSnapshot:
     permits: tuple[PermitUsage, ...] = ()
     #: How long the read took (seconds).
     duration: float = 0.0
+    #: Seconds the oldest finished claim is past ``pulse_retention`` (None: not read).
+    retention_lag: float | None = None
 
 
 def oldest_review_since(store: Any) -> float | None:
@@ -74,7 +76,8 @@ def oldest_review_since(store: Any) -> float | None:
 
 
 def read_cluster(store: Any, leader_keys: tuple[str, ...],
-                 monotonic: Callable[[], float] = time.monotonic) -> ClusterSnapshot:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 retention: float | None = None) -> ClusterSnapshot:
     """Read every cluster figure from ``store`` (raises what the store raises)."""
     began = monotonic()
     now = float(store.now())
@@ -87,8 +90,9 @@ def read_cluster(store: Any, leader_keys: tuple[str, ...],
         if info is not None:
             epochs[key] = int(info.epoch)
     permits = tuple(store.permit_usage())
+    lag = None if retention is None else float(store.retention_lag(retention))
     done = monotonic()
-    return ClusterSnapshot(True, done, now, claims, oldest, epochs, permits, done - began)
+    return ClusterSnapshot(True, done, now, claims, oldest, epochs, permits, done - began, lag)
 
 
 def exporter_for(store: Any, elector: LeaderElector | None, hostname: str,
@@ -103,7 +107,7 @@ def exporter_for(store: Any, elector: LeaderElector | None, hostname: str,
     else:
         campaign = elector
     reader = ClusterReader(store, lambda: campaign.is_leader, interval=settings.metrics_interval,
-                           leader_keys=(campaign.key,))
+                           leader_keys=(campaign.key,), retention=settings.retention)
     return reader, own
 
 
@@ -112,13 +116,14 @@ class ClusterReader(Service):
     (thread ``pulse-metrics``); :meth:`snapshot` is what a scrape shows."""
 
     def __init__(self, store: Any, is_exporter: Callable[[], bool], *, interval: float,
-                 leader_keys: tuple[str, ...],
+                 leader_keys: tuple[str, ...], retention: float | None = None,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         super().__init__("pulse-metrics", join_timeout=5.0)
         self.store = store
         self.is_exporter = is_exporter
         self.interval = interval
         self.leader_keys = leader_keys
+        self.retention = retention
         self.monotonic = monotonic
         self._last: ClusterSnapshot | None = None
         #: When the read under way (or the last one) began (monotonic).
@@ -144,7 +149,7 @@ class ClusterReader(Service):
             return
         self._began = self.monotonic()
         try:
-            snapshot = read_cluster(self.store, self.leader_keys, self.monotonic)
+            snapshot = read_cluster(self.store, self.leader_keys, self.monotonic, self.retention)
         except Exception as exc:
             logger.warning("pulse: reading the cluster's metrics from the store failed: %r",
                            exc)

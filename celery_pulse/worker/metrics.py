@@ -54,6 +54,14 @@ class PulseCollector:
         for name, value in data["recover"].items():
             yield self._one(self.counter, f"pulse_recover_{name}", f"pulse recover {name}",
                             worker, value)
+        retention = data.get("retention") or {}
+        if retention.get("lag") is not None:  # this worker purges
+            yield self._one(self.gauge, "pulse_retention_lag_seconds", "Seconds the oldest "
+                            "finished claim is past pulse_retention, after the last purge",
+                            worker, retention["lag"])
+        yield self._one(self.gauge, "pulse_retention_purged_per_second", "Finished claims "
+                        "this worker purged per second over the last minute", worker,
+                        retention.get("purged_per_second", 0.0))
         leader = data.get("leader") or {}
         yield self._one(self.gauge, "pulse_is_leader", "1 if this worker leads beat", worker,
                         1.0 if leader.get("is_leader") else 0.0)
@@ -100,6 +108,10 @@ class PulseCollector:
         yield self._plain("pulse_cluster_review_oldest_age_seconds",
                           "Age of the oldest task waiting in review by the store clock "
                           "(0: none)", age)
+        if snap.retention_lag is not None:
+            yield self._plain("pulse_cluster_retention_lag_seconds",
+                              "Seconds the oldest finished claim is past pulse_retention by "
+                              "the store clock (0: retention keeps up)", snap.retention_lag)
         epochs = self.gauge("pulse_cluster_leader_epoch", "Epoch of the leadership lease",
                             labels=["key"])
         for key, epoch in sorted(snap.leader_epochs.items()):

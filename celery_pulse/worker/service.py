@@ -129,7 +129,7 @@ class PulseWorker:
             store, hostname, interval=settings.recover_interval, batch=settings.recover_batch,
             publish_ttl=max(5.0, settings.lease_ttl), retention=settings.retention,
             publish=lambda item: republish(app, item), listener=self,
-            purge=self._purge)
+            purge=self._purge, purge_every=settings.purge_interval, lag=store.retention_lag)
         #: One function per way Celery ends a request (:mod:`celery_pulse.worker.exits`).
         self.exits: Exits = RequestEnds(self)
 
@@ -191,11 +191,11 @@ class PulseWorker:
         """The event loop stopped (a reconnect, a shutdown): back to the commit thread."""
         self.keeper.detach_loop()
 
-    def _purge(self, older_than: float) -> int:
+    def _purge(self, older_than: float, budget: float) -> int | None:
         """Retention is the leader's job (any worker when beat is off)."""
         if self.elector is not None and not self.elector.is_leader:
-            return 0
-        purged: int = self.store.purge_finished(older_than)
+            return None
+        purged: int = self.store.purge_finished(older_than, budget=budget)
         if self.chords is not None:
             try:
                 self.chords.recover()
@@ -390,7 +390,7 @@ class PulseWorker:
                        "exchanges": counters.exchanges,
                        "exchanged_ops": counters.exchanged_ops,
                        "rejected": counters.rejected},
-            "recover": dict(self.recoverer.counts),
+            "recover": dict(self.recoverer.counts), "retention": self.recoverer.retention_stats(),
             "leader": None if self.elector is None else {
                 "key": BEAT_KEY, "is_leader": self.elector.is_leader,
                 "epoch": self.elector.epoch, "since": self.elector.since,

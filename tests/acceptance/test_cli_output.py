@@ -21,7 +21,7 @@ from celery_pulse.store.records import LOST_TOKEN
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.timefmt import iso
 from tests.contract.test_recover_contract import request
-from tests.helpers.workers import Env
+from tests.helpers.workers import Env, wait_for
 
 APP = "tests.apps.pulseapp"
 HOLDER = "w1@host"
@@ -184,3 +184,22 @@ def test_status_columns_line_up_and_the_hint_names_the_app(
     assert f"! 1 task(s) need review: celery -A {APP} pulse review" in lines
     payload = json.loads(out(env, "status", "--json", code=1))
     assert payload["needs_attention"] == [f"1 task(s) need review: celery -A {APP} pulse review"]
+
+
+def test_status_shows_how_far_retention_is_behind(env: Env, store: Callable[[], SqlStore]
+                                                  ) -> None:
+    """Passes if ``pulse status`` prints retention's lag (0 while nothing finished is past
+    ``pulse_retention``) and, once a finished claim is past it, a lag above 0, also in
+    ``--json``."""
+    env.conf = {"pulse_retention": 0.5, "pulse_purge_interval": 30}
+    assert "retention: oldest finished claim 0.0s past pulse_retention (0.5s), purge every " \
+           "30s" in out(env, "status").splitlines()
+    s = store()
+    done = running(s)
+    s.complete(HOLDER, [Completion(done.task_id, done.epoch, done.token, SUCCEEDED)])
+    wait_for(lambda: s.retention_lag(0.5) > 0.5, 10, "the claim to be past retention")
+    payload = json.loads(out(env, "status", "--json"))
+    assert payload["retention"]["lag"] > 0.5
+    assert payload["retention"]["retention"] == 0.5
+    line = next(x for x in out(env, "status").splitlines() if x.startswith("retention:"))
+    assert float(line.split()[4].rstrip("s")) > 0.5, line

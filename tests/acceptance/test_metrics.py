@@ -187,6 +187,8 @@ def test_cluster_families_on_the_leader_only_with_review_size_and_growing_age(
     assert value(leader, "pulse_cluster_review_size") == 0.0
     assert value(leader, "pulse_cluster_claims", state="needs_review") == 0.0  # shown at 0
     assert value(leader, "pulse_cluster_review_oldest_age_seconds") == 0.0
+    assert value(leader, "pulse_cluster_retention_lag_seconds") == 0.0  # nothing past it
+    assert value(other, "pulse_retention_purged_per_second", worker=name_b) == 0.0
     epoch = _leader_epoch(menv.store_url)
     assert value(leader, "pulse_cluster_leader_epoch", key="beat") == epoch
 

@@ -588,10 +588,47 @@ def test_purge_works_in_bounded_batches(store: Store) -> None:
     store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED) for g in grants])
     wait_for(lambda: store.now() - max(
         c.finished_at or 0 for c in store.list_claims()) > 0.1, what="time to pass")
-    assert store.purge_finished(older_than=0.05, limit=3) == 3
-    assert store.purge_finished(older_than=0.05, limit=3) == 3
-    assert store.purge_finished(older_than=0.05, limit=3) == 1
+    # A budget of 0 is one batch: at most ``limit`` rows a statement.
+    assert store.purge_finished(older_than=0.05, limit=3, budget=0) == 3
+    assert store.purge_finished(older_than=0.05, limit=3, budget=0) == 3
+    assert store.purge_finished(older_than=0.05, limit=3, budget=0) == 1
     assert store.list_claims() == []
+
+
+def finished_at(store: Store, task_ids: set[str]) -> list[float]:
+    return [c.finished_at or 0.0 for c in store.list_claims() if c.task_id in task_ids]
+
+
+def test_one_purge_pass_keeps_up_with_any_backlog(store: Store) -> None:
+    """Three batches' worth of finished claims (and their evidence) past retention go in
+    one pass; claims inside retention, live ones and ``needs_review`` ones stay."""
+    limit = 4
+    old: set[str] = set()
+    for _ in range(3 * limit):
+        req = request()
+        stale = grant(store, W1, req)
+        assert store.release(W1, [key(stale)]) == 1
+        current = grant(store, W2, req)
+        assert complete(store, W1, stale, FAILED, "late") == "evidence"
+        assert complete(store, W2, current) == "applied"
+        old.add(req.task_id)
+    review = [grant(store, W1, request()) for _ in range(2)]
+    store.complete(W1, [Completion(g.task_id, g.epoch, g.token, NEEDS_REVIEW, "E") for g in review])
+    oldest_kept = max(finished_at(store, old))
+    wait_for(lambda: store.now() - oldest_kept > 2.0, what="time to pass")
+    recent = [grant(store, W1, request()) for _ in range(2)]
+    store.complete(W1, [Completion(g.task_id, g.epoch, g.token, SUCCEEDED) for g in recent])
+    live = grant(store, W1, request())
+    # Retention half-way between the old claims and the recent ones.
+    older_than = store.now() - (oldest_kept + min(finished_at(store, {g.task_id for g in recent}))) / 2
+    assert store.retention_lag(older_than) > 0
+    assert store.purge_finished(older_than=older_than, limit=limit) == 3 * limit
+    left = {c.task_id: c.state for c in store.list_claims()}
+    assert not old & set(left)
+    assert all(evidence_rows(store, task_id) == [] for task_id in old)
+    assert {g.task_id for g in review} | {g.task_id for g in recent} | {live.task_id} == set(left)
+    assert {left[g.task_id] for g in review} == {NEEDS_REVIEW}
+    assert store.retention_lag(older_than) == 0.0
 
 
 def test_claim_counts(store: Store) -> None:

@@ -33,6 +33,7 @@ from celery_pulse.store.records import (
     Refusal,
     ReserveRequest,
 )
+from celery_pulse.store.retention import Batch, drain
 from celery_pulse.store.rules import (
     ANSWER_RANK,
     OUTCOME_STATE,
@@ -212,7 +213,11 @@ class MemoryClaims(MemoryCore, ClaimStore):
             return len(rows)
 
     # -- retention and listings -----------------------------------------------------------------
-    def purge_finished(self, older_than: float, limit: int = 500) -> int:
+    def purge_finished(self, older_than: float, limit: int = 500,
+                       budget: float | None = None) -> int:
+        return drain(lambda: self._purge_batch(older_than, limit), budget)
+
+    def _purge_batch(self, older_than: float, limit: int) -> Batch:
         with self._lock:
             now = self._enter()
             tables = self.tables
@@ -223,9 +228,16 @@ class MemoryClaims(MemoryCore, ClaimStore):
                 del tables.claims[task_id]
             stale = [e for e in tables.evidence if e.recorded_at < now - older_than][:limit]
             tables.evidence = [e for e in tables.evidence if e not in stale]
-            memory_permits.purge(tables, now, older_than, limit)
-            memory_results.purge_expired(tables, now)
-            return len(old)
+            counts = (len(old), len(stale), memory_permits.purge(tables, now, older_than, limit),
+                      memory_results.purge_expired(tables, now, limit))
+            return len(old), max(counts) >= limit
+
+    def retention_lag(self, older_than: float) -> float:
+        with self._lock:
+            now = self._enter()
+            times = [row.finished_at for row in self.tables.claims.values()
+                     if row.state in FINISHED_STATES and row.finished_at is not None]
+            return max(0.0, now - older_than - min(times, default=now))
 
     def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
                     ) -> list[ClaimInfo]:

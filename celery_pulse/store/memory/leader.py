@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from celery_pulse.store.contracts import BeatStore, LeaderStore
+from celery_pulse.store.leader_contracts import BeatStore, LeaderStore
 from celery_pulse.store.memory.core import MemoryCore
 from celery_pulse.store.memory.tables import LeaderRow, SlotRow, new_token
 from celery_pulse.store.records import LeaderGrant, LeaderInfo, ScheduleRow, Slot

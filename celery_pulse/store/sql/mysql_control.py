@@ -72,22 +72,25 @@ def heartbeat(conns: Connections, worker_id: str, token: str, ttl: float) -> Any
 
 
 # -- retention ------------------------------------------------------------------------------
-def purge(conns: Connections, older_than: float, limit: int) -> int:
-    """Finished claims and old evidence, ``limit`` of each (the permits' rows too)."""
+def purge(conns: Connections, older_than: float, limit: int) -> tuple[int, int, int]:
+    """Finished claims, old evidence and past permit holds, ``limit`` of each, each in a
+    transaction of its own."""
     now = conns.now
 
-    def body(conn: sa.Connection) -> int:
+    def old_claims(conn: sa.Connection) -> int:
         # MySQL takes no LIMIT in an IN subquery; a single-table DELETE takes one.
-        deleted = conn.execute(
+        return int(conn.execute(
             sa.delete(claims).where(claims.c.state.in_(FINISHED_STATES),
                                     claims.c.finished_at < now - older_than)
-            .with_dialect_options(mysql_limit=limit)).rowcount
-        conn.execute(sa.delete(evidence).where(evidence.c.recorded_at < now - older_than)
-                     .with_dialect_options(mysql_limit=limit))
-        permits_sql.purge(conn, conns.dialect, older_than, limit)
-        return int(deleted)
+            .with_dialect_options(mysql_limit=limit)).rowcount)
 
-    return conns.atomic("purge", body)
+    def old_evidence(conn: sa.Connection) -> int:
+        return int(conn.execute(sa.delete(evidence).where(evidence.c.recorded_at < now - older_than)
+                                .with_dialect_options(mysql_limit=limit)).rowcount)
+
+    return (conns.atomic("purge", old_claims), conns.atomic("purge", old_evidence),
+            conns.atomic("purge", lambda conn: permits_sql.purge(conn, conns.dialect,
+                                                                 older_than, limit)))
 
 
 # -- leader election and beat ---------------------------------------------------------------
