@@ -22,6 +22,7 @@ from benchmarks import (
     gateway,
     infra,
     leaseloss,
+    memory,
     permits,
     profile,
     recovery,
@@ -42,6 +43,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "drivers": drivers.run,
     "permits": permits.run,
     "gateway": gateway.run,
+    "memory": memory.run,
 }
 
 
