@@ -678,8 +678,13 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
              lambda d, ls: _md_leaseloss(d, ls, img))
     _section(lines, results, "throughput", "7. Memory",
              lambda d, ls: _md_memory(d, ls, img))
-    _section(lines, results, "memory", "7b. The parent's memory over a long run (issue 35)",
-             _md_parent_memory)
+    if "memory" in results["sections"]:
+        _section(lines, results, "memory",
+                 "7b. The parent's memory over a long run (issue 35)", _md_parent_memory)
+    else:
+        lines += ["", "## 7b. The parent's memory over a long run (issue 35)", "",
+                  "_Not run in this invocation: it runs on its own (10-40 minutes), "
+                  "`python -m benchmarks run --only memory`._"]
     _section(lines, results, "drivers", "8. MySQL/MariaDB drivers", _md_drivers)
     _section(lines, results, "permits", "9. Concurrency permits: a limited task kind vs an "
              "unlimited one", lambda d, ls: _md_permits(d, ls, img))
