@@ -25,7 +25,8 @@ CONCURRENCY = 2
 #: MariaDB last: the slowest of them here.
 VARIANTS = ("prefork", "pulse-postgres", "pulse-sqlite", "pulse-mariadb")
 #: Tasks per run: the documented run is the full one (100,000); ``--quick`` is a smoke run.
-#: ``PULSE_BENCH_MEMORY_TASKS`` overrides both.
+#: ``PULSE_BENCH_MEMORY_TASKS`` overrides both (``PULSE_BENCH_MEMORY_VARIANTS``: which
+#: workers, comma-separated).
 FULL, QUICK = 100_000, 3_000
 #: Acceptance (issue 35): parent growth over the second half, bytes per task, every store.
 LIMIT = 50.0
@@ -130,7 +131,8 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     database_url = infra.ensure_bench_database()
     n = tasks(quick)
     runs = []
-    for variant in VARIANTS:
+    chosen = os.environ.get("PULSE_BENCH_MEMORY_VARIANTS")  # e.g. "prefork,pulse-sqlite"
+    for variant in chosen.split(",") if chosen else VARIANTS:
         infra.log(f"memory {variant}: {n} no-op tasks")
         result, disturbed = infra.retrying(
             lambda v=variant: run_one(scratch, database_url, v, n), f"memory {variant}")
