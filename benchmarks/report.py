@@ -171,6 +171,17 @@ def summary_rows(results: dict[str, Any]) -> list[list[str]]:
     rt = sec.get("retention")
     if _ok(rt):
         rows += retention.summary_rows(rt)
+    mem = sec.get("memory")
+    if _ok(mem):
+        pulse = [r for r in mem["runs"] if r["variant"] != "prefork"]
+        base = next((r for r in mem["runs"] if r["variant"] == "prefork"), None)
+        worst = max(pulse, key=lambda r: r["diff"]) if pulse else None
+        if worst is not None:
+            rows.append([f"Parent RSS growth over the 2nd half of {mem['n']:,} no-op tasks "
+                         f"(worst store: {STORE_LABEL.get(worst['variant'], '?')})",
+                         f"{worst['diff']:.0f} B/task",
+                         f"{base['diff']:.0f} B/task" if base else "—", "—",
+                         f"≤ {mem['limit']:g} B/task", verdict(mem["ok"])])
     ll = sec.get("leaseloss")
     if _ok(ll):
         rows.append(["Store-side takeover → LeaseLost in the task (median / max)",
@@ -672,6 +683,13 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
              lambda d, ls: _md_leaseloss(d, ls, img))
     _section(lines, results, "throughput", "7. Memory",
              lambda d, ls: _md_memory(d, ls, img))
+    if "memory" in results["sections"]:
+        _section(lines, results, "memory",
+                 "7b. The parent's memory over a long run (issue 35)", _md_parent_memory)
+    else:
+        lines += ["", "## 7b. The parent's memory over a long run (issue 35)", "",
+                  "_Not run in this invocation: it runs on its own (10-40 minutes), "
+                  "`python -m benchmarks run --only memory`._"]
     _section(lines, results, "drivers", "8. MySQL/MariaDB drivers", _md_drivers)
     _section(lines, results, "permits", "9. Concurrency permits: a limited task kind vs an "
              "unlimited one", lambda d, ls: _md_permits(d, ls, img))
@@ -1208,6 +1226,12 @@ def _md_memory(tp: dict[str, Any], lines: list[str], img: Path) -> None:
             f"({pulse / base:.2f}{X}) of the memory of a prefork worker at the same `-c`: "
             f"SQLAlchemy, the PostgreSQL driver and pulse's threads in the parent, and one "
             f"store connection per child.")
+
+
+def _md_parent_memory(data: dict[str, Any], lines: list[str]) -> None:
+    from benchmarks import memory
+
+    memory.markdown(data, lines)
 
 
 DRIVER_NAMES = {"pymysql": "PyMySQL", "mysqldb": "mysqlclient",
