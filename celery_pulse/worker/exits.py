@@ -222,9 +222,14 @@ class RequestEnds:
             outcome, error = SUCCEEDED, "ignored"
         else:
             outcome, error = FAILED, repr(exc)[:1000]
-        logger.warning("pulse: task %s epoch %d ended %s after its lease was lost: kept as "
-                       "evidence only", claim.task_id, claim.epoch, outcome)
-        self.worker.keeper.submit_late(claim, outcome, error)
+        if self.worker.remote:  # pulse.worker.v1 has no evidence-only finish: not sent
+            logger.warning("pulse: task %s epoch %d ended %s after its lease was lost: not "
+                           "sent (a remote worker's late outcome is not kept)",
+                           claim.task_id, claim.epoch, outcome)
+        else:
+            logger.warning("pulse: task %s epoch %d ended %s after its lease was lost: kept "
+                           "as evidence only", claim.task_id, claim.epoch, outcome)
+            self.worker.keeper.submit_late(claim, outcome, error)
         self.lease_lost(claim)
 
     def lost_attempt_stopped(self, claim: LocalClaim) -> None:

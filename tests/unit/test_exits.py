@@ -100,6 +100,18 @@ def test_a_body_that_ended_after_its_lease_was_lost_here_is_kept_as_evidence(
     assert worker.done == [("late", "t-1", outcome, error), ("free", 3), ("forget", "t-1")]
 
 
+def test_a_remote_workers_late_outcome_is_not_sent_as_evidence() -> None:
+    """pulse.worker.v1 has no evidence-only finish (a finish under the attempt's token
+    would be applied while the gateway still holds the lease): a remote worker sends
+    nothing, and says so instead of "kept as evidence only"."""
+    claim = _claim()
+    claim.state = LOST
+    ends, worker = _ends()
+    worker.remote = True
+    ends.ran(claim, None, False)
+    assert worker.done == [("free", 3), ("forget", "t-1")]
+
+
 def test_a_requeue_celery_decided_in_the_pool_goes_back_as_a_new_attempt() -> None:
     ends, worker = _ends()
     claim = _claim()
