@@ -117,20 +117,36 @@ def plain(traced: Any) -> Any:
 
     Celery's parent re-raises a ``KeyboardInterrupt`` it finds in a result (as its own
     Ctrl-C), so the interruption's class must not reach it; the task's end is LeaseLost.
+    So is the end of a body whose cleanup failed on the interrupted connection (PyMySQL
+    closes it, and SQLAlchemy's rollback on the way out raises ``InterfaceError`` with
+    the LeaseLost as its context): what the body met after the interruption is its
+    consequence.
     """
     if not (isinstance(traced, tuple) and len(traced) == 3 and traced[0]):
         return traced
     einfo = traced[1]
     wrapped: Any = getattr(einfo, "exception", None)
     exc = getattr(wrapped, "exc", wrapped)
-    if isinstance(exc, LeaseLost):
-        replaced = errors.LeaseLost(*exc.args)
+    lost = _interruption(exc) if _interrupted else None
+    if lost is not None:
+        replaced = errors.LeaseLost(*lost.args)
         if wrapped is exc:
             einfo.exception = replaced
         else:
             wrapped.exc = replaced
         einfo.type = errors.LeaseLost
     return traced
+
+
+def _interruption(exc: BaseException | None) -> LeaseLost | None:
+    """The lease signal's LeaseLost that ``exc`` is, or arose while handling."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LeaseLost):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def settle() -> None:
