@@ -84,8 +84,10 @@ def test_newer_schema_declared_compatible_is_used(store_url: str) -> None:
         store.close()
 
 
-def test_newer_schema_not_compatible_is_refused_with_upgrade_advice(store_url: str) -> None:
-    _stamp(store_url, AHEAD, oldest_code=AHEAD)
+@pytest.mark.parametrize("oldest_code", [AHEAD, None], ids=["declared", "undeclared"])
+def test_newer_schema_not_compatible_is_refused_with_upgrade_advice(
+        store_url: str, oldest_code: str | None) -> None:
+    _stamp(store_url, AHEAD, oldest_code=oldest_code)
     with pytest.raises(SchemaMissing) as refused:
         _check(store_url)
     message = str(refused.value)
