@@ -108,10 +108,10 @@ def _serialised(conn: sa.Connection) -> Iterator[None]:
     name = conn.dialect.name
     if name == "postgresql":
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext("
-                             "'celery_pulse.migrate:' || current_schema()))"))
+                             "'celery_pulse.migrate:' || coalesce(current_schema(), '')))"))
         yield
     elif name in ("mysql", "mariadb"):
-        key = "CONCAT('celery_pulse.migrate:', DATABASE())"
+        key = "CONCAT('celery_pulse.migrate:', IFNULL(DATABASE(), ''))"
         got = conn.execute(sa.text(f"SELECT GET_LOCK({key}, {_LOCK_WAIT})")).scalar()
         conn.commit()  # read the schema afresh, not from a snapshot taken before the wait
         if got != 1:
