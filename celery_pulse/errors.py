@@ -31,6 +31,12 @@ class SchemaMissing(PulseError):
     """The pulse schema is missing or outdated: run `celery -A <app> pulse migrate`."""
 
 
+class SchemaTooNew(SchemaMissing):
+    """The pulse schema is newer than this code and not declared compatible with it:
+    upgrade celery-pulse (a SchemaMissing, so every place that refuses to start on an
+    unusable schema refuses on this one too)."""
+
+
 class StoreUnavailable(PulseError):
     """The pulse store cannot be reached."""
 

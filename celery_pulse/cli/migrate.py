@@ -14,6 +14,6 @@ def migrate(ctx: click.Context) -> None:
     with opened_store(ctx, check_schema=False) as store:
         before, after = store.migrate()
         if before == after:
-            click.echo(f"pulse schema in {store.url} is up to date (revision {after})")
+            click.echo(f"pulse schema in {store.url} is already at head (revision {after})")
         else:
             click.echo(f"pulse schema in {store.url} migrated: {before or 'empty'} -> {after}")

@@ -10,13 +10,13 @@ from alembic.runtime.migration import MigrationContext
 
 from celery_pulse.errors import SchemaMissing
 from celery_pulse.store.sql import open_store
-from celery_pulse.store.sql.migrate import VERSION_TABLE, head_revision
+from celery_pulse.store.sql.migrate import COMPAT_TABLE, VERSION_TABLE, head_revision
 from celery_pulse.store.sql.tables import metadata
 
 
 def _is_version_table(diff: Any) -> bool:
     return (isinstance(diff, tuple) and diff[0] in ("add_table", "remove_table")
-            and diff[1].name == VERSION_TABLE)
+            and diff[1].name in (VERSION_TABLE, COMPAT_TABLE))
 
 
 def _same_server_default(_ctx: Any, _inspected: Any, _column: Any, inspected: str | None,

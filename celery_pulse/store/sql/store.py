@@ -91,17 +91,24 @@ class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlViews, SqlRecover, SqlReviews, Sq
             return float(conn.execute(sa.select(self.conns.now)).scalar_one())
 
     def check_schema(self) -> None:
+        """Run on our own revision, or a newer one that declares this code compatible."""
         with translated("schema check"):
             current = migrate.current_revision(self.engine)
-        head = migrate.head_revision()
-        if current != head:
-            state = "missing" if current is None else f"at revision {current}, need {head}"
-            raise SchemaMissing(f"the pulse schema in {self.url} is {state}: "
-                                f"run `celery -A <app> pulse migrate`")
+            head = migrate.head_revision()
+            if current == head:
+                return
+            if current is None or not migrate.is_newer(current, head):
+                state = "missing" if current is None else (
+                    f"at revision {current}, older than this celery-pulse (revision {head})")
+                raise SchemaMissing(f"the pulse schema in {self.url} is {state}: "
+                                    f"run `celery -A <app> pulse migrate`")
+            oldest = migrate.oldest_code(self.engine, current)
+            if oldest is None or migrate.is_newer(oldest, head):
+                raise migrate.too_new(self.url, current, head, oldest)
 
     def migrate(self) -> tuple[str | None, str]:
         with translated("migrate"):
-            return migrate.upgrade(self.engine)
+            return migrate.upgrade(self.engine, self.url)
 
     # -- the hot path: the dialect's claim engine -----------------------------------------
     def max_message_bytes(self) -> int | None:

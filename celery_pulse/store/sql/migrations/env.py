@@ -1,4 +1,7 @@
-"""Alembic environment: runs online against the engine handed in by ``migrate.upgrade``."""
+"""Alembic environment: runs on the connection handed in by ``migrate.upgrade``.
+
+That connection holds the migration lock; ``migrate.upgrade`` commits it.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +9,8 @@ from alembic import context
 
 from celery_pulse.store.sql.migrate import VERSION_TABLE
 
-engine = context.config.attributes["engine"]
-with engine.connect() as connection:
-    context.configure(connection=connection, version_table=VERSION_TABLE,
-                      render_as_batch=connection.dialect.name == "sqlite")
-    with context.begin_transaction():
-        context.run_migrations()
-    connection.commit()
+connection = context.config.attributes["connection"]
+context.configure(connection=connection, version_table=VERSION_TABLE,
+                  render_as_batch=connection.dialect.name == "sqlite")
+with context.begin_transaction():
+    context.run_migrations()

@@ -15,6 +15,8 @@ revision = "0001"
 down_revision = None
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0001"
 
 
 def upgrade() -> None:

@@ -15,6 +15,8 @@ revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0002"
 
 _ts = SECONDS
 

@@ -15,6 +15,8 @@ revision = "0003"
 down_revision = "0002"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0003"
 
 
 def upgrade() -> None:

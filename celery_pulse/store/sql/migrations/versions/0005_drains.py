@@ -15,6 +15,8 @@ revision = "0005"
 down_revision = "0004"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0005"
 
 
 def upgrade() -> None:

@@ -20,6 +20,9 @@ revision = "0006"
 down_revision = "0005"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: indexes only, older code runs
+#: the same queries on it.
+OLDEST_CODE = "0005"
 
 LEASED = sa.text("lease_until IS NOT NULL")
 FINISHED = sa.text("finished_at IS NOT NULL")

@@ -18,6 +18,8 @@ revision = "0007"
 down_revision = "0006"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0007"
 
 
 def upgrade() -> None:

@@ -17,6 +17,8 @@ revision = "0008"
 down_revision = "0007"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0008"
 
 #: The channel is the one ``celery_pulse.store.sql.results.CHANNEL`` listens on.
 NOTIFY_FUNCTION = """

@@ -16,6 +16,8 @@ revision = "0009"
 down_revision = "0008"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0009"
 
 
 def upgrade() -> None:

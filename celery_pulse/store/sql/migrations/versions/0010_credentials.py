@@ -15,6 +15,8 @@ revision = "0010"
 down_revision = "0009"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: its own.
+OLDEST_CODE = "0010"
 
 
 def upgrade() -> None:

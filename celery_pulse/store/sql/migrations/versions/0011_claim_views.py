@@ -20,6 +20,9 @@ revision = "0011"
 down_revision = "0010"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: additive (a nullable column and
+#: indexes; older code leaves the queue NULL, as rows from before this revision have it).
+OLDEST_CODE = "0010"
 
 #: Kept here as written at this revision (tables.VIEW_INDEXES may change later).
 INDEXES: dict[str, tuple[str, ...]] = {

@@ -19,6 +19,9 @@ revision = "0012"
 down_revision = "0011"
 branch_labels = None
 depends_on = None
+#: The oldest code revision that runs on this schema: additive (a nullable column; older
+#: code leaves it NULL, as rows from before this revision have it).
+OLDEST_CODE = "0011"
 
 
 def upgrade() -> None:
