@@ -7,11 +7,8 @@ own file, so the test counts how often it ran and under which attempt.
 
 from __future__ import annotations
 
-import os
-import time
-
 from celery_pulse import current_lease
-from tests.apps.pulseapp import app, mark
+from tests.apps.pulseapp import app, mark, until_told
 
 __all__ = ["app"]
 
@@ -26,9 +23,7 @@ def late_until_told(path: str) -> int:
     """An ``acks_late`` task that runs until ``<path>.go`` exists (at most 60 s)."""
     epoch = _epoch()
     mark(path, "start", epoch)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path + ".go") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    until_told(path)
     mark(path, "end", epoch)
     return epoch
 

@@ -57,6 +57,13 @@ def mark(path: str, *words: object) -> None:
         fh.write(" ".join(str(w) for w in words) + "\n")
 
 
+def until_told(path: str, poll: float = 0.02) -> None:
+    """Wait (at most 60 s, without checking the lease) until ``<path>.go`` exists."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path + ".go") and time.monotonic() < deadline:
+        time.sleep(poll)
+
+
 _engines: dict[str, Any] = {}
 
 
@@ -211,9 +218,7 @@ def chord_part(x: int, path: str, seconds: float) -> int:
         _watch(path, seconds)
         return x
     mark(path, "start", epoch, os.getpid(), repr(time.time()))
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path + ".go") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    until_told(path)
     mark(path, "end", epoch)
     return x
 
@@ -263,9 +268,7 @@ def epoch_when_told(path: str) -> int:
     lease = current_lease()
     epoch = lease.epoch if lease else 0
     mark(path, "start", epoch, os.getpid())
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path + ".go") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until_told(path, 0.01)
     mark(path, "end", epoch)
     return epoch
 
