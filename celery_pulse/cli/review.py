@@ -19,6 +19,7 @@ from celery_pulse.cli.context import echo_json, echo_lines, opened_store, who
 from celery_pulse.operator import resolve_review, retry_review
 from celery_pulse.store.records import NEEDS_REVIEW
 from celery_pulse.store.sql import SqlStore
+from celery_pulse.store.views import detail_row
 from celery_pulse.timefmt import iso
 
 
@@ -58,14 +59,9 @@ def review(ctx: click.Context, as_json: bool) -> None:
 
 
 def detail_payload(store: SqlStore, task_id: str) -> dict[str, Any] | None:
-    """One claim as a reviewer judges it: the claim, the late outcomes of its stale
-    attempts (``evidence``: result or error, at their epoch) and the review decisions."""
+    """One claim as a reviewer judges it (:func:`~celery_pulse.store.views.detail_row`)."""
     detail = store.claim_detail(task_id)
-    if detail is None:
-        return None
-    return {"claim": dataclasses.asdict(detail.claim), "args_summary": detail.args_summary,
-            "evidence": [dataclasses.asdict(e) for e in detail.evidence],
-            "reviews": [dataclasses.asdict(r) for r in detail.reviews]}
+    return None if detail is None else detail_row(detail)
 
 
 @review.command("show")

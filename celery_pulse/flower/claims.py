@@ -8,22 +8,15 @@ store's ``lease_until - now``, not Flower's clock.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from tornado import web
 
 from celery_pulse.flower.base import ApiHandler, PageHandler
 from celery_pulse.store.pages import ClaimQuery
-from celery_pulse.store.records import CLAIM_STATES, ClaimInfo
+from celery_pulse.store.records import CLAIM_STATES
 from celery_pulse.store.sql import SqlStore
-
-
-def claim_row(claim: ClaimInfo) -> dict[str, Any]:
-    row = dataclasses.asdict(claim)
-    row["lease_remaining"] = (None if claim.lease_remaining is None
-                              else round(claim.lease_remaining, 3))
-    return row
+from celery_pulse.store.views import claim_row, detail_row
 
 
 def claims_payload(store: SqlStore, query: ClaimQuery) -> dict[str, Any]:
@@ -41,10 +34,7 @@ def claim_payload(store: SqlStore, task_id: str) -> dict[str, Any]:
     detail = store.claim_detail(task_id)
     if detail is None:
         raise web.HTTPError(404, f"no claim for task {task_id!r}")
-    return {"now": store.now(), "claim": claim_row(detail.claim), "retries": detail.retries,
-            "args_summary": detail.args_summary,
-            "evidence": [dataclasses.asdict(e) for e in detail.evidence],
-            "reviews": [dataclasses.asdict(r) for r in detail.reviews]}
+    return {"now": store.now(), **detail_row(detail)}
 
 
 class ClaimsPage(PageHandler):

@@ -1,6 +1,7 @@
 """What operators read of the store, as rules every store shares: a claim query's
 validation and its keyset cursor, a message's argument summary, why a claim waits for a
-human, and what a claim that moved on is now.
+human, what a claim that moved on is now, and a claim as the JSON they read (Flower's
+API, ``pulse review show --json``).
 
 Pages list claims newest first, ``(created_at, task_id)`` descending. A cursor is that
 pair of the last row shown, so the next page starts strictly after it, whatever was
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 from typing import Any
 
 from celery_pulse.errors import InvalidConfig
-from celery_pulse.store.pages import MAX_PAGE, ClaimQuery
-from celery_pulse.store.records import CLAIM_STATES, FAILED, NEEDS_REVIEW
+from celery_pulse.store.pages import MAX_PAGE, ClaimDetail, ClaimQuery
+from celery_pulse.store.records import CLAIM_STATES, FAILED, NEEDS_REVIEW, ClaimInfo
 from celery_pulse.timefmt import iso
 
 #: The states a review listing may ask for: those ``review retry`` takes.
@@ -102,3 +104,20 @@ def moved_message(task_id: str, state: str, epoch: int,
         done = "retried" if action == "retry" else f"resolved {outcome or ''}".strip()
         text += f" ({done} by {who} at {iso(at)})"
     return text + ": nothing was changed"
+
+
+def claim_row(claim: ClaimInfo) -> dict[str, Any]:
+    """A claim as JSON, its lease's remaining seconds to the millisecond."""
+    row = dataclasses.asdict(claim)
+    row["lease_remaining"] = (None if claim.lease_remaining is None
+                              else round(claim.lease_remaining, 3))
+    return row
+
+
+def detail_row(detail: ClaimDetail) -> dict[str, Any]:
+    """One claim as a reviewer judges it: the claim, the late outcomes of its stale
+    attempts (``evidence``: result or error, at their epoch) and the review decisions."""
+    return {"claim": claim_row(detail.claim), "retries": detail.retries,
+            "args_summary": detail.args_summary,
+            "evidence": [dataclasses.asdict(e) for e in detail.evidence],
+            "reviews": [dataclasses.asdict(r) for r in detail.reviews]}
