@@ -37,8 +37,9 @@ from celery_pulse.deferral import deferral as _deferral
 from celery_pulse.deferral import deferred_result as deferred_result
 from celery_pulse.deferral import same_store as same_store
 from celery_pulse.errors import InvalidConfig, StoreUnavailable
-from celery_pulse.settings import STORE_SCHEMES, Settings, canonical_store_url, mask_url
+from celery_pulse.settings import Settings
 from celery_pulse.store.base import ResultRecord
+from celery_pulse.store_urls import STORE_SCHEMES, canonical_store_url, mask_url
 
 # The Celery-free spelling of the deferred states must stay Celery's own.
 assert frozenset({*states.READY_STATES, states.RETRY}) == DEFERRED_STATES

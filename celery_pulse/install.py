@@ -56,7 +56,7 @@ def mask_secrets_in_conf() -> None:
     """
     from celery.app import utils
 
-    from celery_pulse.settings import masked_value
+    from celery_pulse.store_urls import masked_value
 
     original = getattr(utils, "filter_hidden_settings", None)
     if original is None or getattr(original, "pulse_masks", False):

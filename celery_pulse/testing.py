@@ -261,8 +261,8 @@ def locked_store(store_url: str) -> Iterator[None]:
     """
     import sqlalchemy as sa
 
-    from celery_pulse.settings import canonical_store_url
     from celery_pulse.store.sql.tables import metadata
+    from celery_pulse.store_urls import canonical_store_url
 
     engine = sa.create_engine(canonical_store_url(store_url), poolclass=sa.pool.NullPool)
     quoted = [engine.dialect.identifier_preparer.quote(t.name) for t in metadata.sorted_tables]

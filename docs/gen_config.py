@@ -22,12 +22,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from celery_pulse.settings import (  # noqa: E402 - after the path tweak
-    ON_LOST_POLICIES,
-    STORE_SCHEMES,
-    Settings,
-)
+from celery_pulse.settings import ON_LOST_POLICIES, Settings  # noqa: E402 - after the path tweak
 from celery_pulse.settings import TASK_OPTIONS as KNOWN_TASK_OPTIONS  # noqa: E402
+from celery_pulse.store_urls import STORE_SCHEMES  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "configuration.md"
 

@@ -35,7 +35,7 @@ from typing import Any
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
 from celery_pulse.gateway.client import Answer, Assigned, GatewayClient
 from celery_pulse.gateway.frames import Code, ProtocolError
-from celery_pulse.settings import Settings, mask_url
+from celery_pulse.settings import Settings
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
@@ -52,6 +52,7 @@ from celery_pulse.store.base import (
     RegistryStore,
     ReserveRequest,
 )
+from celery_pulse.store_urls import mask_url
 
 logger = logging.getLogger(__name__)
 

@@ -9,15 +9,8 @@ from typing import Any
 import pytest
 
 from celery_pulse.errors import InvalidConfig, PulseError
-from celery_pulse.settings import (
-    TASK_OPTIONS,
-    Settings,
-    default_store_url,
-    known_settings,
-    mask_url,
-    masked_value,
-    refuse_unknown_task_options,
-)
+from celery_pulse.settings import TASK_OPTIONS, Settings, known_settings, refuse_unknown_task_options
+from celery_pulse.store_urls import default_store_url, mask_url, masked_value
 
 SQLITE = "sqlite:///pulse.sqlite3"
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from celery_pulse.backend import store_url_for
-from celery_pulse.settings import Settings, canonical_store_url
+from celery_pulse.settings import Settings
+from celery_pulse.store_urls import canonical_store_url
 from tests.helpers.workers import ROOT
 
 

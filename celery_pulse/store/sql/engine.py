@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from celery_pulse.errors import InvalidConfig
-from celery_pulse.settings import canonical_store_url
+from celery_pulse.store_urls import canonical_store_url
 
 #: How long a SQLite writer waits for the lock held by another process.
 SQLITE_BUSY_TIMEOUT_MS = 30_000

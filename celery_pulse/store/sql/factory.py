@@ -8,7 +8,6 @@ import time
 import sqlalchemy as sa
 
 from celery_pulse.errors import InvalidConfig, StoreUnavailable
-from celery_pulse.settings import mask_url
 from celery_pulse.store.sql.claim_engine import ClaimEngine
 from celery_pulse.store.sql.claims import BatchClaims
 from celery_pulse.store.sql.connections import Connections
@@ -17,6 +16,7 @@ from celery_pulse.store.sql.errors import driver_message, refused_for_good
 from celery_pulse.store.sql.mysql import MySqlClaims
 from celery_pulse.store.sql.results import ResultRows
 from celery_pulse.store.sql.store import SqlStore
+from celery_pulse.store_urls import mask_url
 
 
 def claim_engine(conns: Connections, results: ResultRows) -> ClaimEngine:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 
 from celery_pulse.errors import SchemaMissing
-from celery_pulse.settings import mask_url
 from celery_pulse.store.base import (
     Completion,
     Exchanged,
@@ -45,6 +44,7 @@ from celery_pulse.store.sql.registry import SqlRegistry
 from celery_pulse.store.sql.results import ResultRows
 from celery_pulse.store.sql.retention import SqlRetention
 from celery_pulse.store.sql.reviews import SqlReviews
+from celery_pulse.store_urls import mask_url
 
 if TYPE_CHECKING:
     from celery_pulse.store.sql.credentials import SqlCredentials
