@@ -124,10 +124,11 @@ class PulseBackend(KeyValueStoreBackend, StoreResults):  # type: ignore[misc]
         with self._lock:
             held = self._rows_by_pid
             if held is None or held[0] != os.getpid():
-                from celery_pulse.store.sql.engine import make_engine
+                from celery_pulse.store.sql.engine import EngineOptions, make_engine
                 from celery_pulse.store.sql.results import ResultRows
 
-                held = self._rows_by_pid = (os.getpid(), ResultRows(make_engine(self.store_url)))
+                engine = make_engine(self.store_url, EngineOptions(role="backend"))
+                held = self._rows_by_pid = (os.getpid(), ResultRows(engine))
         return held[1]
 
     def opened_here(self) -> bool:

@@ -20,6 +20,7 @@ from kombu.utils.imports import symbol_by_name
 from celery_pulse.errors import PulseError
 from celery_pulse.settings import Settings, refuse_unknown_task_options
 from celery_pulse.store.sql import open_store
+from celery_pulse.store.sql.engine import EngineOptions
 from celery_pulse.worker.exit_codes import EXIT_CONFIG, EXIT_IDENTITY_LOST
 from celery_pulse.worker.permits import PermitRules
 from celery_pulse.worker.pool_controls import refuse_autoscale
@@ -113,7 +114,8 @@ class Runtime(bootsteps.StartStopStep):
             if settings.gateway_url:
                 settings, store = _gateway_store(w, settings)
             else:
-                store = open_store(settings.store_url, settings.store_connect_timeout)
+                store = open_store(settings.store_url, settings.store_connect_timeout,
+                                   options=EngineOptions.of(settings, "worker"))
                 # Asked now, while the store answers: the intake reads it on the event
                 # loop for every delivery, where a store call must not block.
                 store.max_message_bytes()

@@ -20,6 +20,7 @@ import click
 from celery_pulse.errors import PulseError
 from celery_pulse.settings import Settings
 from celery_pulse.store.sql import SqlStore, open_store
+from celery_pulse.store.sql.engine import EngineOptions
 
 
 def settings_of(ctx: click.Context) -> Settings:
@@ -36,7 +37,7 @@ def opened_store(ctx: click.Context, *, check_schema: bool = True) -> Iterator[S
     try:
         settings = settings_of(ctx)
         store = open_store(settings.store_url, settings.store_connect_timeout,
-                           check_schema=check_schema)
+                           check_schema=check_schema, options=EngineOptions.of(settings, "cli"))
     except PulseError as exc:
         raise click.ClickException(str(exc)) from None
     try:

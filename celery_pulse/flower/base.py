@@ -41,6 +41,7 @@ from celery_pulse.store.records import (
     SUCCEEDED,
 )
 from celery_pulse.store.sql import SqlStore, open_store
+from celery_pulse.store.sql.engine import EngineOptions
 from celery_pulse.timefmt import iso
 
 T = TypeVar("T")
@@ -69,7 +70,8 @@ class PulseContext:
                 try:
                     settings = Settings.from_conf(self.capp.conf)
                     self._store = open_store(settings.store_url,
-                                             settings.store_connect_timeout, check_schema=True)
+                                             settings.store_connect_timeout, check_schema=True,
+                                             options=EngineOptions.of(settings, "flower"))
                 except PulseError as exc:  # the server's configuration or store: a 503
                     raise web.HTTPError(503, f"pulse store: {exc}") from exc
             return self._store

@@ -43,6 +43,7 @@ from celery_pulse.errors import LeaseLost, PulseError
 from celery_pulse.lease import Lease, current_lease, set_current
 from celery_pulse.pool import interrupt
 from celery_pulse.pool.slots import DeadlineTable
+from celery_pulse.settings import Settings
 from celery_pulse.store.base import LIVE_STATES, OPEN
 from celery_pulse.store.sql.fence import make_fencer
 from celery_pulse.store.sql.holders import holding_of
@@ -69,6 +70,8 @@ class ChildContext:
     holder: str
     ttl: float
     table: DeadlineTable
+    #: The worker's settings: they shape the child's own engine (role ``child``).
+    settings: Settings | None = None
 
 
 _context: ChildContext | None = None
@@ -93,10 +96,13 @@ def _child_store() -> Any:
     global _store
     if _store is None:
         from celery_pulse.store.sql import store_on
-        from celery_pulse.store.sql.engine import make_engine
+        from celery_pulse.store.sql.engine import EngineOptions, make_engine
 
         assert _context is not None
-        _store = store_on(make_engine(_context.store_url))
+        settings = _context.settings
+        options = (EngineOptions.of(settings, "child") if settings is not None
+                   else EngineOptions(role="child"))
+        _store = store_on(make_engine(_context.store_url, options))
     return _store
 
 

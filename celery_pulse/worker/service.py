@@ -105,7 +105,7 @@ class PulseWorker:
         #: Retried starts waiting for a pool process (the pool's count, bound with it).
         self.awaiting_process: Callable[[], int] = lambda: 0
         child.configure(child.ChildContext(app, settings.store_url, hostname,
-                                           settings.lease_ttl, self.table))
+                                           settings.lease_ttl, self.table, settings))
         self.elector: LeaderElector | None = None
         self.beat: Beat | None = None
         if settings.beat:

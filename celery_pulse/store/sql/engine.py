@@ -12,6 +12,7 @@ transaction (SIGSTOP, a GC pause) stalls the other writers, never the reads.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from celery_pulse.errors import InvalidConfig
+from celery_pulse.settings import Settings
 from celery_pulse.store_urls import canonical_store_url
 
 #: How long a SQLite writer waits for the lock held by another process.
@@ -37,8 +39,25 @@ READ_ONLY = "pulse_read_only"
 PG_INSTALL = 'pip install "celery-pulse-leases[postgres]"'
 
 
-def make_engine(url: str) -> sa.Engine:
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How a process opens its engine beyond the URL: what the connections are for (the
+    role: ``worker`` the worker's parent, ``child`` a pool process, ``cli``, ``flower``,
+    ``backend``, ``gateway``), and the settings that shape its connections."""
+
+    role: str = "worker"
+
+    @classmethod
+    def of(cls, settings: Settings, role: str) -> EngineOptions:
+        """The options ``settings`` give the engine of a process in ``role``."""
+        del settings  # no setting shapes the engine yet
+        return cls(role=role)
+
+
+def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
     """An engine for ``url``, configured for several worker processes sharing the store."""
+    options = options or EngineOptions()
+    del options  # read by the pooler and connection settings to come
     parsed = make_url(canonical_store_url(url))
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)

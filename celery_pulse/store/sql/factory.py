@@ -11,7 +11,7 @@ from celery_pulse.errors import InvalidConfig, StoreUnavailable
 from celery_pulse.store.sql.claim_engine import ClaimEngine
 from celery_pulse.store.sql.claims import BatchClaims
 from celery_pulse.store.sql.connections import Connections
-from celery_pulse.store.sql.engine import make_engine
+from celery_pulse.store.sql.engine import EngineOptions, make_engine
 from celery_pulse.store.sql.errors import driver_message, refused_for_good
 from celery_pulse.store.sql.mysql import MySqlClaims
 from celery_pulse.store.sql.results import ResultRows
@@ -39,7 +39,8 @@ def store_on(engine: sa.Engine) -> SqlStore:
     return SqlStore(conns, results, claim_engine(conns, results))
 
 
-def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True) -> SqlStore:
+def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True,
+               options: EngineOptions | None = None) -> SqlStore:
     """Open the store at ``url``, waiting up to ``connect_timeout`` for it to answer.
 
     Raises InvalidConfig (naming ``pulse_store_url``, password masked) when it never
@@ -48,7 +49,7 @@ def open_store(url: str, connect_timeout: float = 0.0, check_schema: bool = True
     absent or old. A refused connection is retried: a store starting after its workers
     is normal.
     """
-    store = store_on(make_engine(url))
+    store = store_on(make_engine(url, options))
     deadline = time.monotonic() + connect_timeout
     delay = 0.2
     while True:
