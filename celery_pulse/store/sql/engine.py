@@ -59,9 +59,8 @@ class EngineOptions:
                    pool_timeout=sizing.pool_timeout(settings.renew_interval))
 
     def pool(self) -> dict[str, Any]:
-        """The pool arguments of a server's engine: bounded, no overflow."""
-        return {"pool_size": sizing.pool_size_for(self.role, self.pool_size),
-                "max_overflow": 0, "pool_timeout": self.pool_timeout}
+        """The pool arguments of a server's engine (:func:`.sizing.pool_arguments`)."""
+        return sizing.pool_arguments(self.role, self.pool_size, self.pool_timeout)
 
 
 def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:

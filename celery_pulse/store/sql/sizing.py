@@ -4,11 +4,11 @@ The rules (stated in ``docs/production.md``, checked on a real worker by
 ``tests/acceptance/test_connections.py``):
 
 * Every engine's pool is bounded and never overflows: ``pool_size`` connections at most
-  (``pulse_store_pool_size``; a pool child: :data:`CHILD_POOL_SIZE`), opened when first
-  needed and kept. The parent's threads (renewals and the commit on MySQL/SQLite, the
-  registry heartbeat, Recover, the leader, the beat, retention, metrics) share them: a
-  statement takes a connection for a few milliseconds, so a thread that finds them all
-  busy waits its turn.
+  (``pulse_store_pool_size``; a pool child: :data:`CHILD_POOL_SIZE`; the ``pulse://``
+  backend in a client: see :func:`pool_arguments`), opened when first needed and kept.
+  The parent's threads share them (renewals, the exchanges that leave the pipeline, the
+  registry heartbeat, Recover, the leader, the beat, retention, metrics): a statement
+  holds a connection for milliseconds, so a thread that finds them all busy waits.
 * That wait is bounded by :func:`pool_timeout`: half a renewal interval, at most
   :data:`POOL_TIMEOUT_S`. Past it the call fails with ``StoreUnavailable`` (the exchange is
   retried at the next tick) instead of SQLAlchemy's 30 s default, which inside the renew
@@ -41,13 +41,26 @@ CHILD_POOL_SIZE = 1
 DEFAULT_POOL_SIZE = 4
 #: The longest a thread waits for a pooled connection (see the module doc).
 POOL_TIMEOUT_S = 5.0
+#: The ``backend`` role's pool: waiters beyond ``pulse_store_pool_size``, and their wait.
+BACKEND_OVERFLOW = 8
+BACKEND_POOL_TIMEOUT_S = 30.0
 #: The longest name PostgreSQL keeps (NAMEDATALEN - 1); the server truncates the rest.
 NAME_LIMIT = 63
 
 
-def pool_size_for(role: str, pool_size: int) -> int:
-    """The pool size of an engine opened for ``role`` when the setting says ``pool_size``."""
-    return CHILD_POOL_SIZE if role == "child" else pool_size
+def pool_arguments(role: str, pool_size: int, timeout: float) -> dict[str, Any]:
+    """The pool of an engine opened for ``role`` when the setting says ``pool_size``.
+
+    The ``backend`` role (``pulse://`` in a client: a web application's threads each
+    waiting in ``AsyncResult.get()``) holds a connection per waiting thread for as long as
+    it waits: its pool may overflow by :data:`BACKEND_OVERFLOW` and waits SQLAlchemy's
+    default, as no lease depends on it. Inside a worker only one or two threads use it.
+    """
+    if role == "backend":
+        return {"pool_size": pool_size, "max_overflow": BACKEND_OVERFLOW,
+                "pool_timeout": BACKEND_POOL_TIMEOUT_S}
+    return {"pool_size": CHILD_POOL_SIZE if role == "child" else pool_size,
+            "max_overflow": 0, "pool_timeout": timeout}
 
 
 def pool_timeout(renew_interval: float) -> float:
