@@ -25,7 +25,8 @@ from celery import Celery, chord
 import celery_pulse
 from celery_pulse.store.records import RUNNING, SUCCEEDED
 from celery_pulse.store.sql import sizing
-from tests.helpers.connections import Peaks
+from tests.helpers.connections import MARIADB_NAMES, Peaks, mariadb_with_connect_attrs
+from tests.helpers.mariadb import PrivateMariaDB
 from tests.helpers.workers import Env, Worker, wait_alive
 
 #: The parent's connections outside its pool, on PostgreSQL.
@@ -112,6 +113,39 @@ def test_worker_connections_stay_within_the_stated_bound(
               + concurrency * (sizing.CHILD_POOL_SIZE + 1))
     assert peaks.total <= stated, (peaks.total, stated, by_process)
     print(f"peaks: total {peaks.total} (stated {stated}), {by_process}")
+
+
+@pytest.fixture
+def mariadb_with_attrs() -> Iterator[PrivateMariaDB]:
+    with mariadb_with_connect_attrs() as server:
+        yield server
+
+
+def test_mariadb_worker_connections_stay_within_the_stated_bound(
+        mariadb_with_attrs: PrivateMariaDB, rabbitmq_url: str, make_env: Callable[..., Env],
+        workers: Callable[..., Worker]) -> None:
+    """On MariaDB (PyMySQL's ``program_name``): no pipeline, no LISTEN, so the parent
+    keeps its pool and nothing more."""
+    pool_size, concurrency = 2, 2
+    env = make_env(mariadb_with_attrs.url, rabbitmq_url, {
+        **FAST_LEASES, "pulse_store_pool_size": pool_size, "result_backend": "pulse://",
+        "pulse_concurrency_limits": {"pulseapp.add": 1}})
+    w = workers(env, "conns-maria@%h", concurrency=concurrency).wait_ready(60)
+    root_url = mariadb_with_attrs.url.rsplit("/", 1)[0] + "/performance_schema"
+    with Peaks(w.pid, admin_url=root_url, names_sql=MARIADB_NAMES) as peaks, \
+            client(env) as app:
+        slow = [app.send_task("pulseapp.sleep", (1.5,)) for _ in range(4)]
+        adds = [app.send_task("pulseapp.add", (i, i)) for i in range(20)]
+        assert [r.get(timeout=120) for r in adds] == [2 * i for i in range(20)]
+        assert [r.get(timeout=120) for r in slow] == [1.5] * 4
+    by_process = {f"{role}:{pid}": n for (role, pid), n in sorted(peaks.by_process.items())}
+    parent = {role: n for (role, pid), n in peaks.by_process.items() if pid == w.pid}
+    assert peaks.samples > 20, peaks.samples
+    assert 1 <= parent.get("worker", 0) <= pool_size, by_process
+    assert parent.get("backend", 0) <= PARENT_BACKEND, by_process
+    assert all(n <= sizing.CHILD_POOL_SIZE for (role, pid), n in peaks.by_process.items()
+               if pid != w.pid), by_process
+    print(f"peaks on MariaDB: total {peaks.total}, {by_process}")
 
 
 @pytest.mark.parametrize("concurrency", [2])

@@ -18,6 +18,7 @@ from celery_pulse.store.sql.engine import EngineOptions, make_engine
 from celery_pulse.store.sql.pipeline import Pipeline
 from celery_pulse.store.sql.results import ResultRows
 from tests.helpers import services
+from tests.helpers.connections import mariadb_with_connect_attrs
 from tests.helpers.mariadb import PrivateMariaDB
 from tests.helpers.stores import migrated
 
@@ -122,14 +123,8 @@ def test_a_result_wait_reads_on_its_listening_connection(small: SqlStore,
 
 @pytest.fixture
 def mariadb_with_attrs() -> Iterator[PrivateMariaDB]:
-    """A MariaDB of our own with performance_schema on (off by default: the shared
-    server shows no connect attributes)."""
-    services.require("mariadb")
-    server = PrivateMariaDB({**PrivateMariaDB.FAST, "performance-schema": "ON"}).init()
-    try:
+    with mariadb_with_connect_attrs() as server:
         yield server
-    finally:
-        server.destroy()
 
 
 def test_mariadb_connections_carry_their_program_name(mariadb_with_attrs: PrivateMariaDB
