@@ -25,20 +25,33 @@ from tests.helpers.stores import migrated
 NAME = f"{os.getpid()}@{socket.gethostname()}"
 
 
-def app_names(engine: sa.Engine) -> list[str]:
-    """The application_name of every session of this process named as pulse's."""
+def sessions(engine: sa.Engine) -> dict[int, str]:
+    """The sessions of this process named as pulse's: server pid -> application_name."""
     with engine.connect() as conn:
-        return list(conn.execute(sa.text(
-            "SELECT application_name FROM pg_stat_activity "
-            "WHERE application_name LIKE :mine ORDER BY application_name"),
-            {"mine": f"pulse:%:{NAME}"[:63]}).scalars())
+        rows = conn.execute(sa.text(
+            "SELECT pid, application_name FROM pg_stat_activity "
+            "WHERE application_name LIKE :mine"), {"mine": f"pulse:%:{NAME}"[:63]})
+        return {int(pid): str(name) for pid, name in rows}
+
+
+class Opened:
+    """The sessions this process opened since the test began (earlier tests in the same
+    process may have left engines open: they are not this test's)."""
+
+    def __init__(self, admin: sa.Engine) -> None:
+        self.admin = admin
+        self.before = set(sessions(admin))
+
+    def names(self) -> list[str]:
+        return sorted(name for pid, name in sessions(self.admin).items()
+                      if pid not in self.before)
 
 
 @pytest.fixture
-def admin() -> Iterator[sa.Engine]:
+def admin() -> Iterator[Opened]:
     services.require("postgres")
     engine = sa.create_engine(services.PG_ADMIN_URL, poolclass=sa.pool.NullPool)
-    yield engine
+    yield Opened(engine)
     engine.dispose()
 
 
@@ -52,13 +65,13 @@ def small(pg_url: str) -> Iterator[SqlStore]:
     store.close()
 
 
-def test_each_connection_names_its_role_and_process(pg_url: str, admin: sa.Engine) -> None:
+def test_each_connection_names_its_role_and_process(pg_url: str, admin: Opened) -> None:
     engine = make_engine(pg_url, EngineOptions(role="gateway"))
     try:
         with engine.connect() as conn:
             name = conn.execute(sa.text("SELECT current_setting('application_name')")).scalar()
         assert name == f"pulse:gateway:{NAME}"[:63]
-        assert app_names(admin) == [name]
+        assert admin.names() == [name]
     finally:
         engine.dispose()
 
@@ -73,7 +86,7 @@ def test_an_application_name_in_the_url_is_kept(pg_url: str) -> None:
         engine.dispose()
 
 
-def test_a_full_pool_fails_within_the_bounded_wait(small: SqlStore, admin: sa.Engine) -> None:
+def test_a_full_pool_fails_within_the_bounded_wait(small: SqlStore, admin: Opened) -> None:
     """No overflow: a second connection is never opened, the waiter gets StoreUnavailable
     after the pool timeout (not SQLAlchemy's 30 s)."""
     with small.conns.engine.connect():
@@ -81,13 +94,13 @@ def test_a_full_pool_fails_within_the_bounded_wait(small: SqlStore, admin: sa.En
         with pytest.raises(StoreUnavailable, match="during now"):
             small.now()
         waited = time.monotonic() - started
-        assert len(app_names(admin)) == 1
+        assert len(admin.names()) == 1
     assert 0.3 <= waited < 5, waited
     small.now()  # the connection given back serves the next call
 
 
 def test_the_long_lived_connections_stay_out_of_the_pool(small: SqlStore,
-                                                          admin: sa.Engine) -> None:
+                                                          admin: Opened) -> None:
     """The permit signals' LISTEN and the hot path's pipeline each hold a connection of
     their own for the worker's life: with a pool of one, the threads still get theirs."""
     channel = small.permit_signals()
@@ -99,18 +112,18 @@ def test_the_long_lived_connections_stay_out_of_the_pool(small: SqlStore,
             small.now()
             signals.send(["k"])
             assert signals.receive(5.0) == {"k"}
-            assert len(app_names(admin)) == 3  # LISTEN, pipeline, the pool's one
+            assert len(admin.names()) == 3  # LISTEN, pipeline, the pool's one
     finally:
         pipeline.close()
 
 
 def test_a_result_wait_reads_on_its_listening_connection(small: SqlStore,
-                                                         admin: sa.Engine) -> None:
+                                                         admin: Opened) -> None:
     """``AsyncResult.get()`` holds one connection, not two: a pool of one serves it."""
     rows = ResultRows(small.conns.engine)
     with rows.watch(["k"]) as watch:
         assert rows.get("k") is None
-        assert len(app_names(admin)) == 1
+        assert len(admin.names()) == 1
         rows_elsewhere = ResultRows(make_engine(small.conns.engine.url.render_as_string(
             hide_password=False)))
         try:
