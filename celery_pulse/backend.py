@@ -127,9 +127,16 @@ class PulseBackend(KeyValueStoreBackend, StoreResults):  # type: ignore[misc]
                 from celery_pulse.store.sql.engine import EngineOptions, make_engine
                 from celery_pulse.store.sql.results import ResultRows
 
-                engine = make_engine(self.store_url, EngineOptions(role="backend"))
+                engine = make_engine(self.store_url, self._engine_options(EngineOptions))
                 held = self._rows_by_pid = (os.getpid(), ResultRows(engine))
         return held[1]
+
+    def _engine_options(self, options: Any) -> Any:
+        """The ``backend`` role's engine options (``pulse_store_pool_size``)."""
+        try:
+            return options.of(Settings.from_conf(self.app.conf), "backend")
+        except InvalidConfig as exc:
+            raise ImproperlyConfigured(f"result_backend {self.as_uri()!r}: {exc}") from exc
 
     def opened_here(self) -> bool:
         """Whether this process has opened the store (a -P pulse pool child never does)."""

@@ -21,6 +21,8 @@ from celery_pulse.errors import InvalidConfig
 from celery_pulse.store_urls import STORE_SCHEMES, canonical_store_url, default_store_url, mask_url
 
 ON_LOST_POLICIES = ("redispatch", "review")
+#: The largest ``pulse_store_pool_size`` (more is a typo, or a pooler's job).
+MAX_POOL_SIZE = 64
 #: The per-task options pulse reads (``@app.task(pulse_max_attempts=3)``); a unit test
 #: checks these are exactly the ``getattr(task, "pulse_...")`` names in the package.
 TASK_OPTIONS = frozenset({"pulse_on_lost", "pulse_max_attempts", "pulse_idempotent",
@@ -95,6 +97,12 @@ class Settings:
                                     "(the `pulse_cluster_*` metrics) from the store.", "15 s"))
     store_connect_timeout: float = dataclasses.field(
         default=10.0, metadata=_doc("How long startup waits for an unreachable store.", "10 s"))
+    store_pool_size: int = dataclasses.field(
+        default=4, metadata=_doc("The most pooled store connections a process keeps (the "
+                                 "worker's parent, Flower, the gateway, a command, the "
+                                 "pulse:// backend), 1 to 64; a pool child keeps 1. See "
+                                 "[Connections per worker](production.md#connections-per-worker)"
+                                 ".", "4"))
     concurrency_limits: Mapping[str, int] = dataclasses.field(
         default_factory=dict,
         metadata=_doc("Cluster-wide concurrency limits: at most N tasks of a name "
@@ -163,6 +171,9 @@ class Settings:
         for name in ("recover_batch", "max_attempts", "permit_backlog"):
             if getattr(self, name) < 1:
                 raise InvalidConfig(f"pulse_{name} must be >= 1", setting=f"pulse_{name}")
+        if not 1 <= self.store_pool_size <= MAX_POOL_SIZE:
+            raise InvalidConfig(f"pulse_store_pool_size must be between 1 and {MAX_POOL_SIZE}, "
+                                f"got {self.store_pool_size!r}", setting="pulse_store_pool_size")
         if self.beat_catchup not in ("latest", "all"):
             raise InvalidConfig(f"pulse_beat_catchup must be 'latest' or 'all', got "
                                 f"{self.beat_catchup!r}", setting="pulse_beat_catchup")

@@ -32,7 +32,7 @@ def beat_command(ctx: click.Context, name: str | None) -> None:
     app = ctx.obj.app
     settings = settings_of(ctx)
     holder = name or f"beat@{socket.gethostname()}:{os.getpid()}"
-    with opened_store(ctx) as store:
+    with opened_store(ctx, role="beat") as store:
         elector = LeaderElector(store, BEAT_KEY, holder, ttl=settings.leader_ttl,
                                 interval=settings.leader_interval,
                                 margin=settings.leader_margin)

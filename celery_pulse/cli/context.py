@@ -32,12 +32,15 @@ def settings_of(ctx: click.Context) -> Settings:
 
 
 @contextmanager
-def opened_store(ctx: click.Context, *, check_schema: bool = True) -> Iterator[SqlStore]:
-    """The app's store, open for the ``with`` block; store errors end the command."""
+def opened_store(ctx: click.Context, *, check_schema: bool = True, role: str = "cli"
+                 ) -> Iterator[SqlStore]:
+    """The app's store, open for the ``with`` block; store errors end the command.
+
+    ``role`` names its connections (``gateway``, ``beat``: the long-running commands)."""
     try:
         settings = settings_of(ctx)
         store = open_store(settings.store_url, settings.store_connect_timeout,
-                           check_schema=check_schema, options=EngineOptions.of(settings, "cli"))
+                           check_schema=check_schema, options=EngineOptions.of(settings, role))
     except PulseError as exc:
         raise click.ClickException(str(exc)) from None
     try:

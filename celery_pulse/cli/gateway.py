@@ -61,7 +61,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
         raise click.BadParameter("--keyfile needs --certfile", param_hint="--keyfile")
     settings = settings_of(ctx)
     tls = server_ssl_context(certfile, keyfile) if certfile else None
-    with opened_store(ctx) as store:
+    with opened_store(ctx, role="gateway") as store:
         gateway = Gateway(store.credentials, store.now, lease_ttl=settings.lease_ttl,
                           limits=Limits(max_connections=max_connections), store=store,
                           app=ctx.obj.app, on_lost=settings.on_lost,

@@ -406,3 +406,22 @@ def test_the_metrics_address_is_read_under_celerys_namespace() -> None:
 
     settings = Settings.from_conf(_celery_app(Config, "CELERY").conf)
     assert (settings.metrics_address, settings.metrics_port) == ("::1", 9808)
+
+
+# -- store connections -----------------------------------------------------------------
+def test_store_pool_size_defaults_to_four_and_is_read_from_conf() -> None:
+    assert Settings(store_url=SQLITE).store_pool_size == 4
+    assert Settings.from_conf({"pulse_store_url": SQLITE,
+                               "pulse_store_pool_size": "2"}).store_pool_size == 2
+
+
+@pytest.mark.parametrize("value", [0, -1, 65])
+def test_store_pool_size_out_of_range(value: int) -> None:
+    exc = invalid("pulse_store_pool_size", store_url=SQLITE, store_pool_size=value)
+    assert "between 1 and 64" in str(exc) and repr(value) in str(exc)
+
+
+@pytest.mark.parametrize("value", [True, 2.5, "many"])
+def test_store_pool_size_not_a_count(value: Any) -> None:
+    invalid_conf("pulse_store_pool_size", {"pulse_store_url": SQLITE,
+                                           "pulse_store_pool_size": value})

@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.settings import Settings
+from celery_pulse.store.sql import sizing
 from celery_pulse.store_urls import canonical_store_url
 
 #: How long a SQLite writer waits for the lock held by another process.
@@ -42,31 +43,38 @@ PG_INSTALL = 'pip install "celery-pulse-leases[postgres]"'
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """How a process opens its engine beyond the URL: what the connections are for (the
-    role: ``worker`` the worker's parent, ``child`` a pool process, ``cli``, ``flower``,
-    ``backend``, ``gateway``), and the settings that shape its connections."""
+    role: ``worker`` the worker's parent, ``child`` a pool process, ``cli``, ``beat``, ``flower``,
+    ``backend``, ``gateway``: :data:`.sizing.ROLES`), and the settings that shape its connections."""
 
     role: str = "worker"
+    #: The most pooled connections (``pulse_store_pool_size``; see :mod:`.sizing`).
+    pool_size: int = sizing.DEFAULT_POOL_SIZE
+    #: How long a thread waits for a pooled connection before StoreUnavailable.
+    pool_timeout: float = sizing.POOL_TIMEOUT_S
 
     @classmethod
     def of(cls, settings: Settings, role: str) -> EngineOptions:
         """The options ``settings`` give the engine of a process in ``role``."""
-        del settings  # no setting shapes the engine yet
-        return cls(role=role)
+        return cls(role=role, pool_size=settings.store_pool_size,
+                   pool_timeout=sizing.pool_timeout(settings.renew_interval))
+
+    def pool(self) -> dict[str, Any]:
+        """The pool arguments of a server's engine (:func:`.sizing.pool_arguments`)."""
+        return sizing.pool_arguments(self.role, self.pool_size, self.pool_timeout)
 
 
 def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
     """An engine for ``url``, configured for several worker processes sharing the store."""
     options = options or EngineOptions()
-    del options  # read by the pooler and connection settings to come
     parsed = make_url(canonical_store_url(url))
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
     if parsed.get_backend_name() in ("mysql", "mariadb"):
-        return _mysql_engine(parsed)
+        return _named(_mysql_engine(parsed, options), options.role)
     _require("psycopg", "psycopg", PG_INSTALL)
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
-    engine = sa.create_engine(parsed, pool_size=4, max_overflow=8,
-                              connect_args=connect_args)
+    engine = _named(sa.create_engine(parsed, connect_args=connect_args, **options.pool()),
+                    options.role)
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -113,7 +121,18 @@ def _mysql_driver(parsed: sa.URL) -> str:
     return driver
 
 
-def _mysql_engine(parsed: sa.URL) -> sa.Engine:
+def _named(engine: sa.Engine, role: str) -> sa.Engine:
+    """Each new connection of ``engine`` says it is pulse's, in ``role`` (:mod:`.sizing`)."""
+
+    @sa.event.listens_for(engine, "do_connect")
+    def _on_do_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]
+                       ) -> None:
+        sizing.name_connection(engine.dialect.name, engine.dialect.driver, role, cparams)
+
+    return engine
+
+
+def _mysql_engine(parsed: sa.URL, options: EngineOptions) -> sa.Engine:
     """READ COMMITTED: a locking read takes no gap locks, and every lease decision reads
     under a lock or runs in one statement, so REPEATABLE READ's snapshot never decides.
     """
@@ -126,9 +145,9 @@ def _mysql_engine(parsed: sa.URL) -> sa.Engine:
     # The pool would roll back every returned connection, and PyMySQL sends that
     # ROLLBACK even right after a COMMIT (measured: a fifth of the hot path's round
     # trips). Instead the connection's own transaction events say whether one is open.
-    engine = sa.create_engine(parsed, pool_size=4, max_overflow=8, pool_recycle=3600,
-                              isolation_level="READ COMMITTED", connect_args=connect_args,
-                              pool_reset_on_return=None)
+    engine = sa.create_engine(parsed, pool_recycle=3600, isolation_level="READ COMMITTED",
+                              connect_args=connect_args, pool_reset_on_return=None,
+                              **options.pool())
     _track_transactions(engine)
 
     @sa.event.listens_for(engine, "connect")

@@ -287,11 +287,14 @@ def signals(engine: sa.Engine) -> Iterator[Signals]:
     with translated("permit signal"):
         raw = engine.raw_connection()
     conn: Any = raw.driver_connection
+    # Out of the pool for good (a dedicated connection, see sizing): it LISTENs for as
+    # long as the worker runs, and must not take a pooled connection from the threads.
+    raw.detach()
     try:
         with driver_translated("permit signal"):
             conn.autocommit = True
             conn.execute(f"LISTEN {CHANNEL}")
         yield Signals(conn)
     finally:
-        raw.invalidate()  # LISTENing: never back into the pool
-        raw.close()
+        with contextlib.suppress(Exception):
+            conn.close()

@@ -14,6 +14,7 @@ Two rules are decided by the statement itself, never by a read before it:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -98,6 +99,9 @@ class ResultRows:
         self.conns = Connections(engine)
         self.dialect = self.conns.dialect
         self._now = self.conns.now
+        #: The connection a :meth:`watch` of this thread listens on: its reads use it too,
+        #: so a waiter holds one pooled connection, not two (a pool of N serves N waiters).
+        self._watching = threading.local()
 
     def _write(self, where: str) -> AbstractContextManager[sa.Connection]:
         """One atomic write: autocommit on PostgreSQL (one round trip), a transaction
@@ -105,6 +109,9 @@ class ResultRows:
         return self.conns.writing(where)
 
     def _read(self, where: str) -> AbstractContextManager[sa.Connection]:
+        listening: sa.Connection | None = getattr(self._watching, "conn", None)
+        if listening is not None:
+            return _translated_on(where, listening)
         return self.conns.reading(where, outside_transaction=False)
 
     def _live(self) -> sa.ColumnElement[bool]:
@@ -136,20 +143,24 @@ class ResultRows:
             yield Watch(set(keys))
             return
         with translated("result watch"):
-            raw = self.engine.raw_connection()
-        conn: Any = raw.driver_connection
-        try:
-            with translated("result watch"):
-                conn.autocommit = True
-                conn.execute(f"LISTEN {CHANNEL}")
-            yield Watch(set(keys), conn)
-        finally:
+            # Autocommit: the LISTEN takes effect at once, and each read sees the latest.
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             try:
-                conn.execute(f"UNLISTEN {CHANNEL}")
-                conn.autocommit = False
+                conn.exec_driver_sql(f"LISTEN {CHANNEL}")
+            except BaseException:
+                conn.invalidate()
+                conn.close()
+                raise
+        self._watching.conn = conn
+        try:
+            yield Watch(set(keys), conn.connection.driver_connection)
+        finally:
+            self._watching.conn = None
+            try:
+                conn.exec_driver_sql(f"UNLISTEN {CHANNEL}")
             except Exception:  # broken: the pool must not have it back
-                raw.invalidate()
-            raw.close()
+                conn.invalidate()
+            conn.close()
 
     def counter(self, key: str) -> int | None:
         with self._read("result counter") as conn:
@@ -328,3 +339,10 @@ class ResultRows:
                 stmt = sa.delete(results).where(results.c.key.in_(
                     sa.select(results.c.key).where(expired).limit(limit).scalar_subquery()))
             return int(conn.execute(stmt).rowcount)
+
+
+@contextmanager
+def _translated_on(where: str, conn: sa.Connection) -> Iterator[sa.Connection]:
+    """``conn`` (already open, not ours to close) with its driver errors translated."""
+    with translated(where):
+        yield conn
