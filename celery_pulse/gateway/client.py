@@ -47,6 +47,7 @@ from websockets.typing import Subprotocol
 from celery_pulse.errors import PulseError
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.gateway.redact import wire_logger
 from celery_pulse.gateway.replies import (
     FATAL,
     KEPT,
@@ -216,7 +217,7 @@ class GatewayClient:
             conn = connect(self.url, ssl=self.ssl_context, additional_headers=headers,
                            subprotocols=[Subprotocol(frames.SUBPROTOCOL)], compression=None,
                            open_timeout=self.open_timeout, max_size=2 * frames.MAX_FRAME_BYTES,
-                           legacy=True)
+                           legacy=True, logger=wire_logger("client"))
         except InvalidStatus as exc:
             status = exc.response.status_code
             if status in (401, 403):

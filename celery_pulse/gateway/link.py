@@ -31,6 +31,13 @@ class Limits:
     """The seed's bounds (§6): a development baseline, not load-tested figures."""
 
     max_connections: int = 128
+    #: Places held by handshakes whose credential isn't checked yet (None: a quarter of
+    #: ``max_connections``) and by one credential (None: half of it): see
+    #: :mod:`celery_pulse.gateway.admission`.
+    max_unauthenticated: int | None = None
+    max_per_credential: int | None = None
+    #: Credential lookups in the store at once (the rest of the handshakes wait).
+    credential_checks: int = 2
     inbound_frames: int = 4
     outbound_frames: int = 8
     hello_timeout: float = 5.0

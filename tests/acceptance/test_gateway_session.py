@@ -192,7 +192,7 @@ def test_hello_must_come_first_and_in_time(open_peer: Callable[..., Peer]) -> No
 def test_the_connection_limit(start_gateway: Callable[..., GatewayProcess],
                               tls: tuple[Path, Path, ssl.SSLContext],
                               tokens: dict[str, str]) -> None:
-    gateway = start_gateway("--max-connections", "2")
+    gateway = start_gateway("--max-connections", "2", "--max-per-credential", "2")
     headers = {"Authorization": f"Bearer {tokens['full']}"}
 
     def one() -> ClientConnection:
