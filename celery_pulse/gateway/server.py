@@ -160,6 +160,8 @@ class Gateway(Operations):
             instance, session = await self._hello(conn, link, credential)
             await self._operate(conn, link, credential, instance, session)
         except Closing as closing:
+            logger.info("pulse gateway: closing the connection of %s: %s",
+                        _sid(session) or "a worker before its hello", closing.reason)
             if closing.error is not None:
                 with suppress_closing():
                     link.send(frames.error_frame(closing.error, _sid(session)))
@@ -205,6 +207,12 @@ class Gateway(Operations):
             hello: frames.Hello = frame.body
             try:
                 credential = await self._authorised(credential, hello.queue_id)
+                # The instance is its first hello's credential and secret's, in the store
+                # (any gateway, restarted or not): anyone else's hello touches nothing.
+                if not await self._store(self.credentials.bind_instance, hello.instance_id,
+                                         credential.credential_id, hello.instance_secret):
+                    raise ProtocolError(Code.UNAUTHENTICATED,
+                                        "this instance id belongs to another worker")
                 instance, session = self.sessions.hello(credential.credential_id, hello)
             except ProtocolError as exc:
                 exc.reply_to = frame.message_id
@@ -366,8 +374,9 @@ class Gateway(Operations):
             # bounded by the hello's deadline.
             create_connection=counted(self.admission),
             ssl_handshake_timeout=self.limits.hello_timeout if ssl_context else None,
-            # The handshake includes the credential check: a store call under its deadline.
-            open_timeout=self.limits.store_timeout + 2.0, logger=wire_logger("server"))
+            # The upgrade, credential check included, within the hello's window of the
+            # accept: a connection saying nothing gives its place back in time.
+            open_timeout=self.limits.hello_timeout, logger=wire_logger("server"))
 
 def _refuse(conn: ServerConnection, status: HTTPStatus, text: str) -> Response:
     response = conn.respond(status, text + "\n")
