@@ -101,8 +101,18 @@ class GatewayClient:
 
     # -- life -----------------------------------------------------------------------
     def start(self) -> None:
-        """Connect, say hello and declare the capacity (raises if the first try fails)."""
-        self._connect()
+        """Connect, say hello and declare the capacity (raises if the first try fails;
+        a gateway answering ``OVERLOADED`` is tried again for ``open_timeout``)."""
+        deadline, backoff = time.monotonic() + self.open_timeout, 0.1
+        while True:
+            try:
+                self._connect()
+                break
+            except InvalidStatus as exc:
+                if exc.response.status_code != 503 or time.monotonic() + backoff > deadline:
+                    raise
+            self._closed.wait(backoff * (0.5 + secrets.randbelow(1000) / 1000))
+            backoff = min(backoff * 2, self.reconnect_max)
         self._reader = threading.Thread(target=self._read, name="pulse-gateway-client",
                                         daemon=True)
         self._reader.start()
