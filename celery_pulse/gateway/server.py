@@ -11,16 +11,19 @@ The rules, before any code:
   must be active and grant ``workers:connect``. Every consuming operation checks again,
   in the store, that it is still active and grants ``workers:consume`` on the session's
   queue: a revoked credential's sessions end at their next operation.
-* **Session.** The first frame must be ``worker.hello``, within ``hello_timeout``; then
-  :mod:`celery_pulse.gateway.session` decides identity, generation and capacity. A
-  session replaced by a newer generation of its instance is closed.
-* **Bounds.** At most ``max_connections`` connections; per connection at most
-  ``inbound_frames`` frames read ahead (the WebSocket library's queue) and
+* **Session.** The first frame must be ``worker.hello``, within ``hello_timeout`` of the
+  accept; the instance must be the credential's and secret's in the store (the first
+  hello's, on any gateway); then :mod:`celery_pulse.gateway.session` decides identity,
+  generation and capacity. A session replaced by a newer generation is closed.
+* **Bounds.** Connections counted from accept (:mod:`~celery_pulse.gateway.admission`:
+  the limit, unauthenticated handshakes, one credential's; ``OVERLOADED``); per
+  connection at most ``inbound_frames`` frames read ahead (the library's queue) and
   ``outbound_frames`` waiting to be written: a peer that doesn't read fills it and is
   disconnected (state committed in the store is not in the connection, so nothing is
-  lost). A read idle for ``read_idle``, a write taking longer than ``write_timeout``,
-  end the connection; a store operation taking longer than ``store_timeout`` is
-  answered ``UNAVAILABLE``.
+  lost). A read idle for ``read_idle`` is probed with a ping (a pong is a read: an idle
+  worker is never cut); a write taking longer than ``write_timeout`` ends the
+  connection; a store operation taking longer than ``store_timeout`` is answered
+  ``UNAVAILABLE``.
 * **Errors.** A frame the gateway refuses is answered with an ``error`` frame: a stable
   code and a public message, never SQL, arguments or secrets. The connection stays up,
   except for frames that break the transport's rules (binary: close 1003; too large:

@@ -178,6 +178,21 @@ def test_unauthenticated_handshakes_and_one_credential_are_bounded(
             conn.close()
 
 
+def test_a_remote_worker_starting_while_its_gateway_is_overloaded_gets_in_when_a_place_frees(
+        env: Env, client_app: Celery, start_gateway: Callable[..., GatewayProcess],
+        open_peer: Callable[..., Peer], remote: Callable[..., Worker]) -> None:
+    full = start_gateway("--max-connections", "1", "-l", "debug")
+    holder = _joined(open_peer(url=full.url), hello_body(queue=env.queue))
+    worker = remote("late@edge", concurrency=1, url=full.url)
+    wait_for(lambda: "503 Service Unavailable" in full.log(), 60,
+             "the worker's handshake to be refused OVERLOADED")
+    assert worker.proc.poll() is None  # refused, not given up: it tries again
+    holder.conn.close()
+    worker.wait_ready(30)
+    assert client_app.send_task("gatewayapp.add", (3, 4), queue=env.queue
+                                ).get(timeout=30)["sum"] == 7
+
+
 def _try_refusal(call: Callable[[], Any]) -> tuple[int, str] | None:
     try:
         call().close()
