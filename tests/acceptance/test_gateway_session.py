@@ -162,10 +162,15 @@ def test_a_reconnect_replaces_the_old_session(open_peer: Callable[..., Peer]) ->
     thief = open_peer()
     assert thief.error("worker.hello", {**hello, "instance_secret": hello_body()[
         "instance_secret"]}, session_id=None) == "UNAUTHENTICATED"
-    # Nor may a reconnect change its queue or capabilities.
+    # Nor another credential, even with the secret: the instance is its owner's.
     other = open_peer("other-queue")
-    assert other.error("worker.hello", {**hello, "queue_id": "images"}, session_id=None) in (
-        "STATE_CONFLICT",)
+    assert other.error("worker.hello", {**hello, "queue_id": "images"}, session_id=None
+                       ) == "UNAUTHENTICATED"
+    # Nor may a reconnect change its capabilities.
+    changed = open_peer()
+    assert changed.error("worker.hello", {**hello, "capabilities": [
+        {"handler": "opsapp.other", "handler_version": "1", "payload_version": "1"}]},
+        session_id=None) == "STATE_CONFLICT"
 
 
 def test_a_revoked_credential_ends_its_session(env: Env, open_peer: Callable[..., Peer]
