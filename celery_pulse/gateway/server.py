@@ -254,7 +254,7 @@ class Gateway(Operations):
             try:
                 data = await asyncio.wait_for(conn.recv(), self.limits.read_idle)
             except TimeoutError:
-                if await self._answers(conn):
+                if await link.answers_ping():
                     continue  # idle, not gone: an idle worker is never cut
                 raise Closing(CloseCode.POLICY_VIOLATION, "read idle") from None
             frame = self._decode(link, data, session.session_id)
@@ -303,18 +303,6 @@ class Gateway(Operations):
                 link.send(frames.error_frame(exc, session.session_id))
 
     # -- helpers ----------------------------------------------------------------------
-    async def _answers(self, conn: ServerConnection) -> bool:
-        """Whether a peer with nothing to say for ``read_idle`` is still there: it answers
-        a ping within the write deadline. A pong counts as a read (seed 003 §6's read
-        idle): every WebSocket client answers pings on its own, so a worker idle for
-        hours keeps its session and nothing has to be sent to keep it."""
-        try:
-            pong = await conn.ping()
-            await asyncio.wait_for(pong, self.limits.write_timeout)
-        except (TimeoutError, ConnectionClosed):
-            return False
-        return True
-
     def _decode(self, link: Link, data: str | bytes, session_id: str | None) -> Frame | None:
         """The frame, or None after answering why it is refused (or raise to close)."""
         try:
