@@ -16,7 +16,6 @@ import json
 import re
 import socket
 import ssl
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -274,9 +273,13 @@ def test_an_idle_remote_worker_is_never_cut_and_a_silent_peer_is(
     proxy.freeze()
     wait_for(lambda: re.search(rf"closing the connection of {silent.session_id}: read idle",
                                gateway.log()), 20, "the silent peer to be cut")
-    # Meanwhile the idle worker, which sent nothing for many read-idle periods, kept
+    # From then on, the idle worker's is the only connection: it sends nothing, and is
+    # asked five times over (each read idle) whether it is there. It answers, and keeps
     # its one session: no close, no second hello, and it still takes work.
-    _idle(8 * READ_IDLE)
+    def probes_since_the_cut() -> int:
+        after = gateway.log().split(f"closing the connection of {silent.session_id}", 1)[1]
+        return min(after.count("> PING"), after.count("< PONG"))
+    wait_for(lambda: probes_since_the_cut() >= 5, 30, "five idle periods, each probed")
     log = gateway.log()
     assert len(re.findall(sessions, log)) == 2, log[-3000:]  # the worker's and the peer's
     assert len(re.findall(r"closing the connection of", log)) == 1, log[-3000:]
@@ -285,11 +288,6 @@ def test_an_idle_remote_worker_is_never_cut_and_a_silent_peer_is(
     assert len(re.findall(sessions, gateway.log())) == 2
     assert worker.proc.poll() is None
     proxy.cut()  # the silent peer's client learns it is gone (else its close waits)
-
-
-def _idle(seconds: float) -> None:
-    """Let time pass: the idleness is what is tested, not a stand-in for an event."""
-    time.sleep(seconds)
 
 
 # -- logs --------------------------------------------------------------------------------
