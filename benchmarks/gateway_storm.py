@@ -103,3 +103,17 @@ def run(store: str, url: str, ca: Path, seconds: float,
         infra.delete_queue(broker, queue)
     return {"idle": percentiles(idle), "storm": percentiles(stormy), "answers": answers,
             "handshakes_at_once": STORM}
+
+
+def markdown(storm: dict[str, Any], lines: list[str]) -> None:
+    """The report's lines for :func:`run`'s results."""
+    answers = ", ".join(f"{k}: {v}" for k, v in sorted(storm["answers"].items()))
+    lines += ["", f"One worker's renewal round trip, back to back, idle and while "
+              f"{storm['handshakes_at_once']} handshakes at a time with unknown tokens hit "
+              f"the gateway (their answers: {answers}):", "",
+              "| | renewals | p50 | p99 |", "| --- | --- | --- | --- |"]
+    for key in ("idle", "storm"):
+        r = storm[key]
+        lines.append(f"| {key} | {r['count']} | {r['p50_ms']:.1f} ms | {r['p99_ms']:.1f} ms |")
+    lines += ["", f"storm p50 / idle p50: "
+              f"{storm['storm']['p50_ms'] / storm['idle']['p50_ms']:.2f}"]

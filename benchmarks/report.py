@@ -1406,16 +1406,7 @@ def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:
         r = renew[key]
         lines.append(f"| {label} | {r['count']} | {r['p50_ms']:.1f} ms | "
                      f"{r['p99_ms']:.1f} ms |")
-    storm = gw.get("storm")
-    if storm:  # reports from before issue 37 have none
-        lines += ["", f"One worker's renewal round trip, back to back, idle and while "
-                  f"{storm['handshakes_at_once']} handshakes at a time with unknown tokens "
-                  f"hit the gateway (their answers: "
-                  f"{', '.join(f'{k}: {v}' for k, v in sorted(storm['answers'].items()))}):",
-                  "", "| | renewals | p50 | p99 |", "| --- | --- | --- | --- |"]
-        for key in ("idle", "storm"):
-            r = storm[key]
-            lines.append(f"| {key} | {r['count']} | {r['p50_ms']:.1f} ms | "
-                         f"{r['p99_ms']:.1f} ms |")
-        lines.append(f"\nstorm p50 / idle p50: "
-                     f"{storm['storm']['p50_ms'] / storm['idle']['p50_ms']:.2f}")
+    if gw.get("storm"):  # reports from before issue 37 have none
+        from benchmarks import gateway_storm
+
+        gateway_storm.markdown(gw["storm"], lines)
