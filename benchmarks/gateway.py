@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks import infra
+from benchmarks import gateway_storm, infra
 
 CONCURRENCY = 2
 X = "\N{MULTIPLICATION SIGN}"
@@ -229,6 +229,10 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
         infra.log("gateway renew latency: 50 connected clients")
         through = _renew_via_gateway(scratch, store, url, tls[2], seconds)
         direct = _renew_direct(store, seconds)
+        infra.log(f"gateway admission: {gateway_storm.STORM} bogus-token handshakes at once")
+        storm = gateway_storm.run(store, url, tls[2], seconds,
+                                  lambda queues: _credentials(store, queues, scratch)[0],
+                                  _percentiles)
     summary = []
     for key, label, *_ in workloads:
         mine = [r for r in runs if r["workload"] == key]
@@ -244,4 +248,5 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                         "ratio": statistics.median(ratios)})
     return {"runs": runs, "summary": summary, "concurrency": CONCURRENCY,
             "renew": {"clients": CLIENTS, "every_s": RENEW_EVERY, "seconds": seconds,
-                      "gateway": through, "direct": direct}}
+                      "gateway": through, "direct": direct},
+            "storm": storm}

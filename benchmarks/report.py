@@ -1406,3 +1406,7 @@ def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:
         r = renew[key]
         lines.append(f"| {label} | {r['count']} | {r['p50_ms']:.1f} ms | "
                      f"{r['p99_ms']:.1f} ms |")
+    if gw.get("storm"):  # reports from before issue 37 have none
+        from benchmarks import gateway_storm
+
+        gateway_storm.markdown(gw["storm"], lines)

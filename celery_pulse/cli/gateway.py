@@ -37,10 +37,20 @@ class _RecoverLog:
               help="TLS certificate chain (PEM). Without it the gateway speaks plain ws://.")
 @click.option("--keyfile", default=None, type=click.Path(exists=True, dir_okay=False),
               help="TLS private key (PEM), if not in --certfile.")
-@click.option("--max-connections", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--max-connections", default=128, show_default=True, type=click.IntRange(1),
+              help="Connections held at once, counted from accept.")
+@click.option("--max-unauthenticated", default=None, type=click.IntRange(1),
+              help="Of those, held by handshakes not yet authenticated [a quarter].")
+@click.option("--max-per-credential", default=None, type=click.IntRange(1),
+              help="Of those, held by one credential [half].")
+@click.option("--read-idle", default=60.0, show_default=True, type=click.FloatRange(0.1),
+              help="Seconds without a frame before the peer must answer a ping.")
+@click.option("-l", "--loglevel", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.pass_context
 def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile: str | None,
-                    max_connections: int) -> None:
+                    max_connections: int, max_unauthenticated: int | None,
+                    max_per_credential: int | None, read_idle: float, loglevel: str) -> None:
     """Serve pulse.worker.v1 at wss://BIND/v1/worker/connect: workers that hold a gateway
     credential, and no database or broker credentials, lease tasks through it."""
     from celery_pulse.bootsteps.publish import republish
@@ -53,7 +63,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
         raise click.ClickException(f"the gateway needs the websockets library ({exc}): "
                                    f"pip install 'celery-pulse-leases[gateway]'") from None
 
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s] %(message)s")
+    logging.basicConfig(level=loglevel.upper(), format="[%(asctime)s: %(levelname)s] %(message)s")
     host, sep, port_text = bind.rpartition(":")
     if not sep or not port_text.isdigit():
         raise click.BadParameter("HOST:PORT, e.g. 0.0.0.0:8443", param_hint="--bind")
@@ -63,7 +73,10 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
     tls = server_ssl_context(certfile, keyfile) if certfile else None
     with opened_store(ctx, role="gateway") as store:
         gateway = Gateway(store.credentials, store.now, lease_ttl=settings.lease_ttl,
-                          limits=Limits(max_connections=max_connections), store=store,
+                          limits=Limits(max_connections=max_connections,
+                                        max_unauthenticated=max_unauthenticated,
+                                        max_per_credential=max_per_credential,
+                                        read_idle=read_idle), store=store,
                           app=ctx.obj.app, on_lost=settings.on_lost,
                           max_attempts=settings.max_attempts,
                           events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3))

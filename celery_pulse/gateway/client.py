@@ -47,6 +47,7 @@ from websockets.typing import Subprotocol
 from celery_pulse.errors import PulseError
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.gateway.redact import wire_logger
 from celery_pulse.gateway.replies import (
     FATAL,
     KEPT,
@@ -100,8 +101,18 @@ class GatewayClient:
 
     # -- life -----------------------------------------------------------------------
     def start(self) -> None:
-        """Connect, say hello and declare the capacity (raises if the first try fails)."""
-        self._connect()
+        """Connect, say hello and declare the capacity (raises if the first try fails;
+        a gateway answering ``OVERLOADED`` is tried again for ``open_timeout``)."""
+        deadline, backoff = time.monotonic() + self.open_timeout, 0.1
+        while True:
+            try:
+                self._connect()
+                break
+            except InvalidStatus as exc:
+                if exc.response.status_code != 503 or time.monotonic() + backoff > deadline:
+                    raise
+            self._closed.wait(backoff * (0.5 + secrets.randbelow(1000) / 1000))
+            backoff = min(backoff * 2, self.reconnect_max)
         self._reader = threading.Thread(target=self._read, name="pulse-gateway-client",
                                         daemon=True)
         self._reader.start()
@@ -216,7 +227,7 @@ class GatewayClient:
             conn = connect(self.url, ssl=self.ssl_context, additional_headers=headers,
                            subprotocols=[Subprotocol(frames.SUBPROTOCOL)], compression=None,
                            open_timeout=self.open_timeout, max_size=2 * frames.MAX_FRAME_BYTES,
-                           legacy=True)
+                           legacy=True, logger=wire_logger("client"))
         except InvalidStatus as exc:
             status = exc.response.status_code
             if status in (401, 403):

@@ -44,6 +44,7 @@ from celery_pulse.store.base import (
     ResultRecord,
     Store,
 )
+from celery_pulse.store.records import LOST_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -191,10 +192,14 @@ class Fenced:
         return self.store.lease_of(self.holder, attempt.task_id, attempt.epoch, attempt.token)
 
     def finish(self, attempt: Attempt, outcome: str, error: str | None,
-               result: ResultRecord | None = None) -> str:
+               result: ResultRecord | None = None, *, returned: str | None = None,
+               stale: bool = False) -> str:
         """``applied``, ``duplicate`` or ``evidence`` (a stale attempt: kept, not applied);
-        ``result`` is written only if it applies, in its transaction."""
+        ``result`` is written only if it applies, in its transaction; ``returned`` is kept
+        with the evidence if it doesn't. ``stale``: the finish is evidence whatever the
+        claim says (an attempt never started has no authority to finish)."""
+        token = LOST_TOKEN if stale else attempt.token
         answers = self.store.complete(self.holder, [Completion(
-            attempt.task_id, attempt.epoch, attempt.token, OUTCOMES[outcome], error,
-            result)])
+            attempt.task_id, attempt.epoch, token, OUTCOMES[outcome], error,
+            None if stale else result, returned)])
         return answers.get(attempt.task_id, "evidence")

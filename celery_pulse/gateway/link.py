@@ -3,7 +3,8 @@
 The asyncio shell's smallest room (websockets' ``ServerConnection`` underneath): frames
 are written by one task per connection from a queue of at most ``outbound_frames``; a
 peer that doesn't read fills it and is disconnected (:class:`Closing`), and a write
-taking longer than ``write_timeout`` ends the connection. Nothing here knows a frame's
+taking longer than ``write_timeout`` ends the connection; a peer that said nothing for
+a while is asked whether it is still there (a ping). Nothing here knows a frame's
 meaning.
 """
 
@@ -31,6 +32,13 @@ class Limits:
     """The seed's bounds (§6): a development baseline, not load-tested figures."""
 
     max_connections: int = 128
+    #: Places held by handshakes whose credential isn't checked yet (None: a quarter of
+    #: ``max_connections``) and by one credential (None: half of it): see
+    #: :mod:`celery_pulse.gateway.admission`.
+    max_unauthenticated: int | None = None
+    max_per_credential: int | None = None
+    #: Credential lookups in the store at once (the rest of the handshakes wait).
+    credential_checks: int = 2
     inbound_frames: int = 4
     outbound_frames: int = 8
     hello_timeout: float = 5.0
@@ -84,6 +92,21 @@ class Link:
                             self.conn.remote_address)
                 self.conn.transport.abort()
                 return
+
+    async def answers_ping(self) -> bool:
+        """Whether a peer with nothing to say for ``read_idle`` is still there: it answers
+        a ping within the write deadline. A pong counts as a read (seed 003 §6's read
+        idle): every WebSocket client answers pings on its own, so a worker idle for
+        hours keeps its session and nothing has to be sent to keep it."""
+        async def probe() -> None:
+            pong = await self.conn.ping()  # the write itself may wait: both under the deadline
+            await pong
+
+        try:
+            await asyncio.wait_for(probe(), self.limits.write_timeout)
+        except (TimeoutError, ConnectionClosed):
+            return False
+        return True
 
     async def close(self, code: int = CloseCode.NORMAL_CLOSURE, reason: str = "") -> None:
         """Write what is queued (within the write deadline), then close."""

@@ -18,7 +18,7 @@ from typing import Any
 from celery_pulse.deferral import DEFERRED_STATES, carried_by_completions, deferred_result
 from celery_pulse.gateway.dispatch import Fenced
 from celery_pulse.gateway.protocol import Finish
-from celery_pulse.gateway.session import Attempt
+from celery_pulse.gateway.session import LEASED, Attempt
 from celery_pulse.store.base import Store
 
 
@@ -42,14 +42,19 @@ class Results:
     def settle(self, fenced: Fenced, attempt: Attempt, finish: Finish) -> tuple[str, bool]:
         """The finish in the store (blocking: a thread's), and whether it wrote the result
         too (see the module's rules)."""
+        # A finish without a start (seed 003 §4): the instance proved who it is, but the
+        # attempt never had authority to run, so its outcome is evidence, never applied.
+        stale = attempt.state == LEASED
         backend = self.backend()
         state, call = self.call(backend, attempt, finish)
         record = None
-        if call is not None and state in DEFERRED_STATES and self.carried(backend):
+        if (not stale and call is not None and state in DEFERRED_STATES
+                and self.carried(backend)):
             with deferred_result(attempt.task_id) as deferral:
                 call()  # kept in deferral.record, not written
             record = deferral.record
-        answer = fenced.finish(attempt, finish.outcome, finish.error_code, record)
+        answer = fenced.finish(attempt, finish.outcome, finish.error_code, record,
+                               returned=returned(finish), stale=stale)
         return answer, record is not None
 
     def carried(self, backend: Any) -> bool:
@@ -86,3 +91,18 @@ class Results:
         error = RemoteTaskError(f"{finish.error_code}: {json.dumps(finish.result)[:1000]}")
         return states.FAILURE, functools.partial(
             backend.store_result, attempt.task_id, error, states.FAILURE)
+
+
+#: The most of a finish's result kept with its evidence (a stale or unstarted attempt's).
+RETURNED_CHARS = 4096
+
+
+def returned(finish: Finish) -> str | None:
+    """What a finish reported, as kept with its evidence if it doesn't apply (the
+    reviewer's only view of it): Celery's repr when the worker sent Celery's meta, else
+    the result's JSON; None for a failure (its error code is kept instead)."""
+    if finish.outcome != "SUCCEEDED":
+        return None
+    meta = finish.result.get("celery_meta") if isinstance(finish.result, dict) else None
+    value = meta.get("result") if isinstance(meta, dict) else finish.result
+    return json.dumps(value, sort_keys=True)[:RETURNED_CHARS]

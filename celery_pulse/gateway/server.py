@@ -11,16 +11,19 @@ The rules, before any code:
   must be active and grant ``workers:connect``. Every consuming operation checks again,
   in the store, that it is still active and grants ``workers:consume`` on the session's
   queue: a revoked credential's sessions end at their next operation.
-* **Session.** The first frame must be ``worker.hello``, within ``hello_timeout``; then
-  :mod:`celery_pulse.gateway.session` decides identity, generation and capacity. A
-  session replaced by a newer generation of its instance is closed.
-* **Bounds.** At most ``max_connections`` connections; per connection at most
-  ``inbound_frames`` frames read ahead (the WebSocket library's queue) and
+* **Session.** The first frame must be ``worker.hello``, within ``hello_timeout`` of the
+  accept; the instance must be the credential's and secret's in the store (the first
+  hello's, on any gateway); then :mod:`celery_pulse.gateway.session` decides identity,
+  generation and capacity. A session replaced by a newer generation is closed.
+* **Bounds.** Connections counted from accept (:mod:`~celery_pulse.gateway.admission`:
+  the limit, unauthenticated handshakes, one credential's; ``OVERLOADED``); per
+  connection at most ``inbound_frames`` frames read ahead (the library's queue) and
   ``outbound_frames`` waiting to be written: a peer that doesn't read fills it and is
   disconnected (state committed in the store is not in the connection, so nothing is
-  lost). A read idle for ``read_idle``, a write taking longer than ``write_timeout``,
-  end the connection; a store operation taking longer than ``store_timeout`` is
-  answered ``UNAVAILABLE``.
+  lost). A read idle for ``read_idle`` is probed with a ping (a pong is a read: an idle
+  worker is never cut); a write taking longer than ``write_timeout`` ends the
+  connection; a store operation taking longer than ``store_timeout`` is answered
+  ``UNAVAILABLE``.
 * **Errors.** A frame the gateway refuses is answered with an ``error`` frame: a stable
   code and a public message, never SQL, arguments or secrets. The connection stays up,
   except for frames that break the transport's rules (binary: close 1003; too large:
@@ -54,12 +57,14 @@ from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from celery_pulse.gateway import frames
+from celery_pulse.gateway.admission import Admission, counted
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.link import Closing, Limits, Link, server_ssl_context, suppress_closing
 from celery_pulse.gateway.operations import Operations
 from celery_pulse.gateway.outcomes import RemoteTaskError
 from celery_pulse.gateway.receipts import DISPOSITIONS, OUTCOME_STATES, holder_name
+from celery_pulse.gateway.redact import wire_logger
 from celery_pulse.gateway.session import RUNNING, Instance, Session, Sessions
 from celery_pulse.store.base import Store
 from celery_pulse.store.credentials import (
@@ -98,12 +103,15 @@ class Gateway(Operations):
         #: Credentials the handshake accepted, until their connection's handler takes
         #: them (or the handshake fails after the check: :meth:`_process_response`).
         self._accepted: dict[ServerConnection, Credential] = {}
-        #: Connections being served (what the connection limit counts).
-        self._live: set[ServerConnection] = set()
+        #: Who holds the connection places (counted from accept, before the credential).
+        self.admission = Admission(self.limits)
 
     # -- the handshake ----------------------------------------------------------------
     async def _process_request(self, conn: ServerConnection, request: Request
                                ) -> Response | None:
+        refusal = self.admission.refusal(conn)
+        if refusal is not None:
+            return _overloaded(conn, refusal)
         parts = urlsplit(request.path)
         if parts.path != PATH:
             return _refuse(conn, HTTPStatus.NOT_FOUND, f"no such endpoint; use {PATH}")
@@ -111,9 +119,6 @@ class Gateway(Operations):
             return _refuse(conn, HTTPStatus.BAD_REQUEST,
                            "this endpoint takes no query (credentials in the URL are "
                            "refused): send Authorization: Bearer <token>")
-        if len(self._live) + len(self._accepted) >= self.limits.max_connections:
-            return _refuse(conn, HTTPStatus.SERVICE_UNAVAILABLE,
-                           "too many worker connections on this gateway")
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             response = _refuse(conn, HTTPStatus.UNAUTHORIZED,
@@ -121,7 +126,10 @@ class Gateway(Operations):
             response.headers["WWW-Authenticate"] = 'Bearer realm="pulse.worker.v1"'
             return response
         try:
-            credential = await self._store(self.credentials.authenticate, token.strip())
+            # Lookups are bounded: a flood of bogus tokens waits its turn here instead of
+            # taking the store and the threads the workers' operations need.
+            async with self.admission.checking():
+                credential = await self._store(self.credentials.authenticate, token.strip())
             credential.require(CONNECT)
         except Unauthenticated as exc:
             return _refuse(conn, HTTPStatus.UNAUTHORIZED, exc.message)
@@ -129,6 +137,9 @@ class Gateway(Operations):
             return _refuse(conn, HTTPStatus.FORBIDDEN, exc.message)
         except ProtocolError:
             return _refuse(conn, HTTPStatus.SERVICE_UNAVAILABLE, "the store is unavailable")
+        refusal = self.admission.authenticated(conn, credential.credential_id)
+        if refusal is not None:
+            return _overloaded(conn, refusal)
         self._accepted[conn] = credential
         return None
 
@@ -138,6 +149,7 @@ class Gateway(Operations):
         leaves no place taken."""
         if response.status_code != HTTPStatus.SWITCHING_PROTOCOLS:
             self._accepted.pop(conn, None)
+            self.admission.release(conn)
 
     # -- one connection ---------------------------------------------------------------
     async def _serve_connection(self, conn: ServerConnection) -> None:
@@ -145,13 +157,14 @@ class Gateway(Operations):
         if credential is None:  # not through our handshake: can't happen, refuse anyway
             await conn.close(CloseCode.POLICY_VIOLATION, "unauthenticated")
             return
-        self._live.add(conn)
         link = Link(conn, self.limits)
         session: Session | None = None
         try:
             instance, session = await self._hello(conn, link, credential)
             await self._operate(conn, link, credential, instance, session)
         except Closing as closing:
+            logger.info("pulse gateway: closing the connection of %s: %s",
+                        _sid(session) or "a worker before its hello", closing.reason)
             if closing.error is not None:
                 with suppress_closing():
                     link.send(frames.error_frame(closing.error, _sid(session)))
@@ -159,7 +172,6 @@ class Gateway(Operations):
         except ConnectionClosed:
             pass
         finally:
-            self._live.discard(conn)
             if session is not None:
                 self._links.pop(session.session_id, None)
                 known = self.sessions.get(session.instance_id)
@@ -176,7 +188,8 @@ class Gateway(Operations):
     async def _hello(self, conn: ServerConnection, link: Link, credential: Credential
                      ) -> tuple[Instance, Session]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.hello_timeout
+        # Within hello_timeout of connecting (seed 003 §3), not of the upgrade's end.
+        deadline = self.admission.accepted_at.get(conn, loop.time()) + self.limits.hello_timeout
         while True:
             left = deadline - loop.time()
             try:
@@ -197,6 +210,12 @@ class Gateway(Operations):
             hello: frames.Hello = frame.body
             try:
                 credential = await self._authorised(credential, hello.queue_id)
+                # The instance is its first hello's credential and secret's, in the store
+                # (any gateway, restarted or not): anyone else's hello touches nothing.
+                if not await self._store(self.credentials.bind_instance, hello.instance_id,
+                                         credential.credential_id, hello.instance_secret):
+                    raise ProtocolError(Code.UNAUTHENTICATED,
+                                        "this instance id belongs to another worker")
                 instance, session = self.sessions.hello(credential.credential_id, hello)
             except ProtocolError as exc:
                 exc.reply_to = frame.message_id
@@ -235,6 +254,8 @@ class Gateway(Operations):
             try:
                 data = await asyncio.wait_for(conn.recv(), self.limits.read_idle)
             except TimeoutError:
+                if await link.answers_ping():
+                    continue  # idle, not gone: an idle worker is never cut
                 raise Closing(CloseCode.POLICY_VIOLATION, "read idle") from None
             frame = self._decode(link, data, session.session_id)
             if frame is None:
@@ -340,13 +361,24 @@ class Gateway(Operations):
             # Frames up to twice the limit are read, to be answered FRAME_TOO_LARGE; the
             # library closes anything bigger itself (1009).
             max_size=2 * frames.MAX_FRAME_BYTES, max_queue=self.limits.inbound_frames,
-            # The handshake includes the credential check: a store call under its deadline.
-            open_timeout=self.limits.store_timeout + 2.0, logger=logger)
+            # Each connection counted from its accept (admission), its TLS handshake
+            # bounded by the hello's deadline.
+            create_connection=counted(self.admission),
+            ssl_handshake_timeout=self.limits.hello_timeout if ssl_context else None,
+            # The upgrade, credential check included, within the hello's window of the
+            # accept: a connection saying nothing gives its place back in time.
+            open_timeout=self.limits.hello_timeout, logger=wire_logger("server"))
 
 def _refuse(conn: ServerConnection, status: HTTPStatus, text: str) -> Response:
     response = conn.respond(status, text + "\n")
     response.headers = Headers(response.headers)
     return response
+
+def _overloaded(conn: ServerConnection, why: str) -> Response:
+    response = _refuse(conn, HTTPStatus.SERVICE_UNAVAILABLE, f"{Code.OVERLOADED}: {why}")
+    response.headers["Retry-After"] = "1"
+    return response
+
 
 def _sid(session: Session | None) -> str | None:
     return session.session_id if session is not None else None

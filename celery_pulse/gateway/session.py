@@ -25,7 +25,9 @@ The rules, before any code:
   ``IDEMPOTENCY_CONFLICT``. The memory of replies is bounded (oldest forgotten first).
 
 Everything here is one gateway's memory: instances are bound to the gateway they
-connect to (docs/gateway.md says what that means for several gateways).
+connect to (docs/gateway.md says what that means for several gateways). Only who owns
+an instance id is the store's (``CredentialStore.bind_instance``, checked by the server
+before a hello reaches :meth:`Sessions.hello`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ Rules:
 * Revocation is permanent and takes effect at the next :meth:`CredentialStore.authenticate`
   (seed 003: the credential's validity is checked again for consuming operations, not
   only at the handshake). Revoking twice changes nothing.
+* A gateway worker *instance* (a process, ``instance_id``) belongs to the credential
+  and instance secret that said hello for it first (:meth:`CredentialStore.bind_instance`):
+  the store keeps the pair, so another credential, or the same one without the secret,
+  takes nothing over on any gateway, restarted or not. Only the secret's digest is kept.
 * Store implementations see the digest only: minting, validation and the comparison
   live here, in :class:`CredentialStore`'s concrete methods.
 
@@ -204,6 +208,20 @@ class CredentialStore(abc.ABC):
         when of the first revocation kept). :class:`NotFound` if there is no such."""
         return self._revoke(name_or_id, _who(who))
 
+    def bind_instance(self, instance_id: str, credential_id: str, instance_secret: str
+                      ) -> bool:
+        """Whether gateway instance ``instance_id`` is this credential's and secret's:
+        True if it was unbound (bound now, by the write itself: of two first hellos at
+        once, one wins) or already theirs (its ``seen_at`` moved on); False if another
+        credential or secret holds it, which changes nothing."""
+        if not is_credential_id(instance_id):
+            raise ValueError("an instance id is 32 lowercase hex digits")
+        return self._bind(instance_id, credential_id, digest(instance_secret))
+
+    @abc.abstractmethod
+    def _bind(self, instance_id: str, credential_id: str, secret_digest: str) -> bool:
+        """:meth:`bind_instance` on the store."""
+
     @abc.abstractmethod
     def list_credentials(self, include_revoked: bool = True) -> list[Credential]:
         """Every credential (or only active ones), by name."""
@@ -243,6 +261,14 @@ class MemoryCredentials(CredentialStore):
         self._clock = clock
         self._lock = threading.Lock()
         self._rows: dict[str, tuple[Credential, str]] = {}
+        #: instance_id -> (credential_id, secret digest) of its owner.
+        self._instances: dict[str, tuple[str, str]] = {}
+
+    def _bind(self, instance_id: str, credential_id: str, secret_digest: str) -> bool:
+        with self._lock:
+            owner = self._instances.setdefault(instance_id, (credential_id, secret_digest))
+        return (hmac.compare_digest(owner[0], credential_id)
+                & hmac.compare_digest(owner[1], secret_digest))
 
     def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
                 queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:

@@ -162,10 +162,15 @@ def test_a_reconnect_replaces_the_old_session(open_peer: Callable[..., Peer]) ->
     thief = open_peer()
     assert thief.error("worker.hello", {**hello, "instance_secret": hello_body()[
         "instance_secret"]}, session_id=None) == "UNAUTHENTICATED"
-    # Nor may a reconnect change its queue or capabilities.
+    # Nor another credential, even with the secret: the instance is its owner's.
     other = open_peer("other-queue")
-    assert other.error("worker.hello", {**hello, "queue_id": "images"}, session_id=None) in (
-        "STATE_CONFLICT",)
+    assert other.error("worker.hello", {**hello, "queue_id": "images"}, session_id=None
+                       ) == "UNAUTHENTICATED"
+    # Nor may a reconnect change its capabilities.
+    changed = open_peer()
+    assert changed.error("worker.hello", {**hello, "capabilities": [
+        {"handler": "opsapp.other", "handler_version": "1", "payload_version": "1"}]},
+        session_id=None) == "STATE_CONFLICT"
 
 
 def test_a_revoked_credential_ends_its_session(env: Env, open_peer: Callable[..., Peer]
@@ -192,7 +197,7 @@ def test_hello_must_come_first_and_in_time(open_peer: Callable[..., Peer]) -> No
 def test_the_connection_limit(start_gateway: Callable[..., GatewayProcess],
                               tls: tuple[Path, Path, ssl.SSLContext],
                               tokens: dict[str, str]) -> None:
-    gateway = start_gateway("--max-connections", "2")
+    gateway = start_gateway("--max-connections", "2", "--max-per-credential", "2")
     headers = {"Authorization": f"Bearer {tokens['full']}"}
 
     def one() -> ClientConnection:

@@ -8,12 +8,9 @@ Real processes: the gateway (RabbitMQ, PostgreSQL, TLS) and the remote worker.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import ssl
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -21,7 +18,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.store.sql import SqlStore
-from tests.helpers.gateway import GatewayProcess, claim_of, evidence_of
+from tests.helpers.gateway import claim_of, evidence_of
 from tests.helpers.proxy import Proxy
 from tests.helpers.workers import Env, Worker, wait_for
 
@@ -32,29 +29,6 @@ def env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
                                            "pulse_recover_interval": 0.5})
     made.app = "tests.apps.opsapp"
     return made
-
-
-@pytest.fixture
-def remote(env: Env, gateway: GatewayProcess, tokens: dict[str, str], proxy: Proxy,
-           tls: tuple[Path, Path, ssl.SSLContext], workers: Callable[..., Worker]
-           ) -> Callable[..., Worker]:
-    """Start a remote worker: its environment names no store and no broker (the queue's
-    name only; ``through_proxy``: its gateway connection can be cut)."""
-    credentials = env.tmp / "runner.json"
-    credentials.write_text(json.dumps({"token": tokens["full"]}))
-
-    def start(name: str, concurrency: int = 2, queue: str | None = None,
-              through_proxy: bool = False) -> Worker:
-        remote_env = Env("sqlite:////nonexistent/never-opened.db", "memory://",
-                         queue or env.queue, env.tmp, app="tests.apps.gatewayapp")
-        url = (f"wss://localhost:{proxy.port}/v1/worker/connect" if through_proxy
-               else gateway.url)
-        return workers(remote_env, name, concurrency=concurrency, extra_env={
-            "PULSE_TEST_GATEWAY_URL": url,
-            "PULSE_TEST_GATEWAY_CREDENTIALS": str(credentials),
-            "PULSE_TEST_GATEWAY_CA": str(tls[0].parent / "ca.pem"),
-            "PULSE_TEST_STORE": "", "PULSE_TEST_BROKER": ""})
-    return start
 
 
 def test_a_remote_worker_runs_tasks_with_gateway_credentials_only(

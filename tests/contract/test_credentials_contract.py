@@ -34,9 +34,10 @@ from celery_pulse.gateway.credentials import (
 )
 from celery_pulse.store.base import Store
 from celery_pulse.store.memory import MemoryStore
-from celery_pulse.store.sql import SqlStore
+from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.store.sql.credentials import SqlCredentials
 from celery_pulse.store.sql.tables import credentials as credentials_table
+from celery_pulse.store.sql.tables import gateway_instances
 
 BOTH = (CONNECT, CONSUME)
 
@@ -55,13 +56,13 @@ def subject(store: Store) -> Subject:
     """The credentials of the contract fixture's store (memory or SQL), on its clock."""
     if isinstance(store, MemoryStore):
         memory = store.credentials
-        return Subject(memory, store.now, lambda: repr(memory._rows))
+        return Subject(memory, store.now, lambda: repr((memory._rows, memory._instances)))
     assert isinstance(store, SqlStore) and isinstance(store.credentials, SqlCredentials)
 
     def dump() -> str:
         with store.engine.connect() as conn:
-            return json.dumps([list(map(str, row)) for row in conn.execute(
-                sa.select(credentials_table))])
+            return json.dumps([[list(map(str, row)) for row in conn.execute(
+                sa.select(table))] for table in (credentials_table, gateway_instances)])
 
     return Subject(store.credentials, store.now, dump)
 
@@ -278,3 +279,70 @@ def test_a_revoked_credential_allows_nothing() -> None:
     assert not revoked.allows(CONNECT) and not revoked.allows(CONSUME, "a")
     with pytest.raises(Unauthenticated):
         revoked.require(CONNECT)
+
+
+# -- gateway instances and their owner ------------------------------------------------------
+def _instance_secret() -> str:
+    return mint()[1]  # 43 characters of base64url, as an instance secret is
+
+
+def test_an_instance_belongs_to_the_credential_and_secret_of_its_first_hello(
+        subject: Subject) -> None:
+    owner, _ = subject.store.create_credential("q1-runner", BOTH, ["q1"], "op")
+    other, _ = subject.store.create_credential("q2-runner", BOTH, ["q2"], "op")
+    instance, secret = "ab" * 16, _instance_secret()
+    bind = subject.store.bind_instance
+    assert bind(instance, owner.credential_id, secret) is True
+    assert bind(instance, owner.credential_id, secret) is True  # its reconnect
+    before = subject.dump()
+    # Another credential, even with the secret; the owner's credential without it.
+    assert bind(instance, other.credential_id, secret) is False
+    assert bind(instance, other.credential_id, _instance_secret()) is False
+    assert bind(instance, owner.credential_id, _instance_secret()) is False
+    assert subject.dump() == before  # a refused hello changes nothing
+    assert bind(instance, owner.credential_id, secret) is True
+    assert bind("cd" * 16, other.credential_id, secret) is True  # another id is free
+    with pytest.raises(ValueError):
+        bind("not-an-id", owner.credential_id, secret)
+
+
+def test_an_instance_binding_is_the_stores_not_a_process(store: Store) -> None:
+    """Another process on the same store (a restarted or a second gateway) sees it; the
+    in-memory store is one process's by design, so this holds for the SQL stores."""
+    if not isinstance(store, SqlStore):
+        return
+    owner, _ = store.credentials.create_credential("q1-runner", BOTH, ["q1"], "op")
+    other, _ = store.credentials.create_credential("q2-runner", BOTH, ["q2"], "op")
+    secret = _instance_secret()
+    assert store.credentials.bind_instance("ef" * 16, owner.credential_id, secret)
+    second = open_store(store.url)
+    try:
+        assert second.credentials.bind_instance("ef" * 16, other.credential_id,
+                                                secret) is False
+        assert second.credentials.bind_instance("ef" * 16, owner.credential_id,
+                                                secret) is True
+    finally:
+        second.close()
+    with store.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT * FROM pulse_gateway_instances")).all()
+    assert len(rows) == 1 and secret not in json.dumps([list(map(str, r)) for r in rows])
+
+
+def test_of_simultaneous_first_hellos_one_owns_the_instance(subject: Subject) -> None:
+    made = [subject.store.create_credential(f"runner-{i}", BOTH, ["q"], "op")[0]
+            for i in range(6)]
+    secret = _instance_secret()
+    answers: list[bool] = []
+    barrier = threading.Barrier(len(made))
+
+    def hello(credential: Credential) -> None:
+        barrier.wait()
+        answers.append(subject.store.bind_instance("12" * 16, credential.credential_id,
+                                                   secret))
+
+    threads = [threading.Thread(target=hello, args=(c,)) for c in made]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(answers) == [False] * 5 + [True]

@@ -27,7 +27,7 @@ from websockets.sync.client import ClientConnection, connect
 from celery_pulse.gateway.credentials import CONNECT, CONSUME
 from celery_pulse.store.sql import SqlStore, open_store
 from tests.helpers.proxy import Proxy
-from tests.helpers.workers import Env, wait_for
+from tests.helpers.workers import Env, Worker, wait_for
 
 QUEUE = "objects"
 SUBPROTOCOL = "pulse.worker.v1"
@@ -229,6 +229,32 @@ def proxy(gateway: GatewayProcess) -> Iterator[Proxy]:
     made = Proxy(int(gateway.url.rsplit(":", 1)[1].split("/", 1)[0]))
     yield made
     made.close()
+
+
+@pytest.fixture
+def remote(env: Env, gateway: GatewayProcess, tokens: dict[str, str], proxy: Proxy,
+           tls: tuple[Path, Path, ssl.SSLContext], workers: Callable[..., Worker]
+           ) -> Callable[..., Worker]:
+    """Start a remote worker: its environment names no store and no broker (the queue's
+    name only; ``through_proxy``: its gateway connection can be cut; ``url``: another
+    gateway's; ``extra``: more ``celery worker`` arguments)."""
+    credentials = env.tmp / "runner.json"
+    credentials.write_text(json.dumps({"token": tokens["full"]}))
+
+    def start(name: str, concurrency: int = 2, queue: str | None = None,
+              through_proxy: bool = False, url: str | None = None,
+              extra: tuple[str, ...] = ()) -> Worker:
+        remote_env = Env("sqlite:////nonexistent/never-opened.db", "memory://",
+                         queue or env.queue, env.tmp, app="tests.apps.gatewayapp")
+        if url is None:
+            url = (f"wss://localhost:{proxy.port}/v1/worker/connect" if through_proxy
+                   else gateway.url)
+        return workers(remote_env, name, concurrency=concurrency, extra=extra, extra_env={
+            "PULSE_TEST_GATEWAY_URL": url,
+            "PULSE_TEST_GATEWAY_CREDENTIALS": str(credentials),
+            "PULSE_TEST_GATEWAY_CA": str(tls[0].parent / "ca.pem"),
+            "PULSE_TEST_STORE": "", "PULSE_TEST_BROKER": ""})
+    return start
 
 
 def claim_of(store: SqlStore, task_id: str) -> Any:

@@ -1,7 +1,8 @@
 """A TCP proxy between a client and a server that a test can cut: every connection
 through it is dropped at once (both sides see the TCP connection end), new ones are
-let through again. TLS passes through untouched: the client still checks the server's
-certificate end to end."""
+let through again; or :meth:`freeze` it: connections stay open and nothing passes (a
+peer gone silent, a network partition without a reset). TLS passes through untouched:
+the client still checks the server's certificate end to end."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class Proxy:
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self.connections = 0
         self._closed = False
+        self._flowing = threading.Event()
+        self._flowing.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -38,10 +41,10 @@ class Proxy:
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                self._flowing.wait()  # frozen: held, never delivered
                 sink.sendall(data)
         except OSError:
             pass
@@ -49,6 +52,10 @@ class Proxy:
             for s in (source, sink):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+
+    def freeze(self) -> None:
+        """Deliver nothing more, either way, and close nothing (until :meth:`close`)."""
+        self._flowing.clear()
 
     def cut(self) -> int:
         """Drop every connection now; how many there were."""
@@ -62,5 +69,6 @@ class Proxy:
         return len(pairs)
 
     def close(self) -> None:
+        self._flowing.set()
         self._listener.close()
         self.cut()

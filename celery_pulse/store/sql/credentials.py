@@ -26,7 +26,7 @@ from celery_pulse.store.credentials import (
 )
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
-from celery_pulse.store.sql.tables import credentials
+from celery_pulse.store.sql.tables import credentials, gateway_instances
 
 #: Every column but the digest: what a listing reads.
 _RECORD = [c for c in credentials.c if c.name != "secret_digest"]
@@ -75,6 +75,22 @@ class SqlCredentials(CredentialStore):
         if record is None or record.credential_id != credential_id:
             raise taken(name)
         return record
+
+    def _bind(self, instance_id: str, credential_id: str, secret_digest: str) -> bool:
+        # Bound by the insert itself (a row already there is kept as it is), then the
+        # owner's latest hello recorded: only a row the pair owns is updated.
+        table = gateway_instances
+        now = self.dialect.now()
+        claim = self.dialect.insert_or_keep(table, dict(
+            instance_id=instance_id, credential_id=credential_id,
+            secret_digest=secret_digest, created_at=now, seen_at=now),
+            [table.c.instance_id], table.c.instance_id)
+        seen = sa.update(table).where(
+            table.c.instance_id == instance_id, table.c.credential_id == credential_id,
+            table.c.secret_digest == secret_digest).values(seen_at=now)
+        with self._write("bind gateway instance") as conn:
+            conn.execute(claim)
+            return conn.execute(seen).rowcount == 1
 
     def _lookup(self, credential_id: str) -> tuple[Credential, str] | None:
         with self._read("authenticate") as conn:

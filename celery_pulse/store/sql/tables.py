@@ -243,3 +243,16 @@ credentials = sa.Table(
     sa.Index("ux_pulse_credentials_name", "name", unique=True),
     **TABLE_OPTIONS,
 )
+
+#: Gateway worker instances and their owner: the credential and the instance secret's
+#: digest that first said hello for the id (``seen_at``: its latest hello).
+gateway_instances = sa.Table(
+    "pulse_gateway_instances",
+    metadata,
+    sa.Column("instance_id", sa.String(32), primary_key=True),
+    sa.Column("credential_id", sa.String(32), nullable=False),
+    sa.Column("secret_digest", sa.String(64), nullable=False),
+    sa.Column("created_at", SECONDS, nullable=False),
+    sa.Column("seen_at", SECONDS, nullable=False),
+    **TABLE_OPTIONS,
+)
