@@ -127,7 +127,10 @@ class PulseBackend(KeyValueStoreBackend, StoreResults):  # type: ignore[misc]
                 from celery_pulse.store.sql.engine import EngineOptions, make_engine
                 from celery_pulse.store.sql.results import ResultRows
 
-                engine = make_engine(self.store_url, EngineOptions(role="backend"))
+                conf = self.app.conf
+                engine = make_engine(self.store_url, EngineOptions(
+                    role="backend", pooler=conf.get("pulse_store_pooler") or "auto",
+                    listen_url=conf.get("pulse_store_listen_url")))
                 held = self._rows_by_pid = (os.getpid(), ResultRows(engine))
         return held[1]
 

@@ -95,6 +95,16 @@ class Settings:
                                     "(the `pulse_cluster_*` metrics) from the store.", "15 s"))
     store_connect_timeout: float = dataclasses.field(
         default=10.0, metadata=_doc("How long startup waits for an unreachable store.", "10 s"))
+    store_pooler: str = dataclasses.field(
+        default="auto", metadata=_doc("The pooler between pulse and PostgreSQL (PgBouncer): "
+                                      "`none`, `session`, `transaction` (no session state, no "
+                                      "LISTEN), or `auto`: detected at start "
+                                      "(docs/production.md#pgbouncer).", "auto"))
+    store_listen_url: str | None = dataclasses.field(
+        default=None, metadata=_doc("A direct PostgreSQL URL (not through a transaction "
+                                    "pooler) for the LISTEN connections that wake permit and "
+                                    "result waiters; without it, they poll under transaction "
+                                    "pooling.", "None (the store URL's pool)"))
     concurrency_limits: Mapping[str, int] = dataclasses.field(
         default_factory=dict,
         metadata=_doc("Cluster-wide concurrency limits: at most N tasks of a name "
@@ -178,6 +188,15 @@ class Settings:
         if self.gateway_ca is not None and not os.path.isfile(self.gateway_ca):
             raise InvalidConfig(f"pulse_gateway_ca: no such file {self.gateway_ca!r}",
                                 setting="pulse_gateway_ca")
+        if self.store_listen_url is not None and not urlsplit(
+                self.store_listen_url).scheme.startswith("postgres"):
+            raise InvalidConfig(f"pulse_store_listen_url: expected a PostgreSQL URL, got "
+                                f"{mask_url(self.store_listen_url)!r}",
+                                setting="pulse_store_listen_url")
+        if self.store_pooler not in ("auto", "none", "session", "transaction"):
+            raise InvalidConfig(f"pulse_store_pooler must be auto, none, session or "
+                                f"transaction, got {self.store_pooler!r}",
+                                setting="pulse_store_pooler")
         if self.on_lost is not None and self.on_lost not in ON_LOST_POLICIES:
             raise InvalidConfig(f"pulse_on_lost must be one of {ON_LOST_POLICIES}, "
                                 f"got {self.on_lost!r}", setting="pulse_on_lost")

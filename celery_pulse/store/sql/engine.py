@@ -21,6 +21,8 @@ from sqlalchemy.engine import make_url
 
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.settings import Settings
+from celery_pulse.store.sql.pooler import OPTION as POOLER_OPTION
+from celery_pulse.store.sql.pooler import Pooler, pooled_transactions
 from celery_pulse.store_urls import canonical_store_url
 
 #: How long a SQLite writer waits for the lock held by another process.
@@ -46,18 +48,20 @@ class EngineOptions:
     ``backend``, ``gateway``), and the settings that shape its connections."""
 
     role: str = "worker"
+    #: ``pulse_store_pooler`` and ``pulse_store_listen_url`` (see :mod:`.pooler`).
+    pooler: str = "auto"
+    listen_url: str | None = None
 
     @classmethod
     def of(cls, settings: Settings, role: str) -> EngineOptions:
         """The options ``settings`` give the engine of a process in ``role``."""
-        del settings  # no setting shapes the engine yet
-        return cls(role=role)
+        return cls(role=role, pooler=settings.store_pooler,
+                   listen_url=settings.store_listen_url)
 
 
 def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
     """An engine for ``url``, configured for several worker processes sharing the store."""
     options = options or EngineOptions()
-    del options  # read by the pooler and connection settings to come
     parsed = make_url(canonical_store_url(url))
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed)
@@ -65,11 +69,16 @@ def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
         return _mysql_engine(parsed)
     _require("psycopg", "psycopg", PG_INSTALL)
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    pooler = Pooler(options.pooler, options.listen_url, options.role)
     engine = sa.create_engine(parsed, pool_size=4, max_overflow=8,
-                              connect_args=connect_args)
+                              connect_args=connect_args,
+                              execution_options={POOLER_OPTION: pooler})
+    pooled_transactions(engine, pooler, IDLE_IN_TRANSACTION_S)
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        if pooler.transaction:  # a session setting would stay on the server connection
+            return
         # A session setting, not the URL's ``options`` (which may carry search_path).
         with dbapi_conn.cursor() as cur:
             cur.execute(f"SET idle_in_transaction_session_timeout = "
