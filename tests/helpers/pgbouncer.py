@@ -2,8 +2,8 @@
 
 One PgBouncer per pooling mode per test session, on a free port, with a generated ini
 (``auth_type = trust``, every database name forwarded to the same name on
-127.0.0.1:5432); each test gets a database of its own behind it (PgBouncer 1.18 refuses
-the ``options`` startup parameter that carries a schema's ``search_path``, and a
+127.0.0.1:5432); each test gets an empty database of its own behind it (PgBouncer 1.18
+refuses the ``options`` startup parameter that carries a schema's ``search_path``, and a
 ``SET search_path`` would not survive transaction pooling: a database per test keeps the
 URL plain). Every PgBouncer is killed by its fixture.
 """
@@ -85,8 +85,9 @@ class PgBouncer:
             for name in os.listdir(self.dir):
                 shutil.chown(os.path.join(self.dir, name), "postgres", "postgres")
             command = ["runuser", "-u", "postgres", "--", *command]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        # Its log goes to the logfile (a pipe nobody reads would block it once full).
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -112,21 +113,54 @@ class PgBouncer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+#: Databases made for earlier tests, emptied and free to reuse (emptying one costs less
+#: than making one, and drops no database under the pooler's feet).
+_FREE: list[str] = []
+
+
+def _reset(name: str) -> None:
+    """Empty database ``name``: its ``public`` schema dropped and made again."""
+    url = sa.make_url(services.PG_ADMIN_URL).set(database=name)
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                 "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                                 "AND state <> 'idle'")
+            conn.exec_driver_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+    finally:
+        engine.dispose()
+
+
 @contextlib.contextmanager
 def pgb_database(bouncer: PgBouncer) -> Iterator[str]:
-    """A fresh database of the test's own on the PostgreSQL server, its URL through
-    ``bouncer``; dropped at the end (with the pooler's server connections to it)."""
+    """An empty database of the test's own on the PostgreSQL server, its URL through
+    ``bouncer``; emptied at the end, for a later test."""
     services.require("postgres")
-    name = services.SCHEMA_PREFIX + uuid.uuid4().hex[:12]
     admin = sa.create_engine(services.PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+        if _FREE:
+            name = _FREE.pop()
+        else:
+            name = services.SCHEMA_PREFIX + "pgb_" + uuid.uuid4().hex[:12]
+            with admin.connect() as conn:
+                conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
         try:
             yield bouncer.url(name)
         finally:
-            with admin.connect() as conn:
-                conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            _reset(name)
+            _FREE.append(name)
+    finally:
+        admin.dispose()
+
+
+def drop_free_databases() -> None:
+    """Drop the databases kept for reuse (at the end of the session)."""
+    admin = sa.create_engine(services.PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            while _FREE:
+                conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{_FREE.pop()}" WITH (FORCE)')
     finally:
         admin.dispose()
 
@@ -140,6 +174,7 @@ def pgbouncer_session() -> Iterator[PgBouncer]:
         yield bouncer
     finally:
         bouncer.stop()
+        drop_free_databases()
 
 
 @pytest.fixture(scope="session")
@@ -151,6 +186,7 @@ def pgbouncer_transaction() -> Iterator[PgBouncer]:
         yield bouncer
     finally:
         bouncer.stop()
+        drop_free_databases()
 
 
 @pytest.fixture
