@@ -63,7 +63,7 @@ class Pooler:
         #: That cap, in milliseconds.
         self.idle_ms = 0
         self._lock = threading.Lock()
-        self._logged = setting != "auto" and setting != "transaction"
+        self._logged = False
 
     @property
     def transaction(self) -> bool:
