@@ -18,11 +18,12 @@ import sqlalchemy as sa
 
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.lease import Lease
-from celery_pulse.store.base import Completion, Permit
+from celery_pulse.store.base import Completion, Grant, Permit
 from celery_pulse.store.sql import open_store
 from celery_pulse.store.sql import pooler as pooler_mod
 from celery_pulse.store.sql.engine import EngineOptions, make_engine
 from celery_pulse.store.sql.fence import make_fencer
+from tests.acceptance import test_result_backend as result_backend
 from tests.acceptance.test_permits import (
     FREE,
     Cluster,
@@ -33,7 +34,6 @@ from tests.acceptance.test_permits import (
     runs,
     store_of,
 )
-from tests.acceptance import test_result_backend as result_backend
 from tests.contract.test_claims_contract import W1, W2, grant, request
 from tests.helpers.pgbouncer import PgBouncer, pgb_database
 from tests.helpers.services import require
@@ -136,15 +136,23 @@ def test_two_stores_share_one_server_connection(bouncer: PgBouncer) -> None:
         errors: list[BaseException] = []
 
         def work(store: Any, holder: str) -> None:
+            # The worker's hot path: each exchange completes the last task, reserves
+            # and starts the next (several statements in one pipeline), then a start
+            # under a permit (a transaction of two round trips).
             try:
+                done: list[Completion] = []
                 for _ in range(30):
-                    g = grant(store, holder, request())
-                    started = store.start_many(holder, [(g.task_id, g.epoch, g.token)], TTL,
+                    out = store.exchange(holder, TTL, done, [request()], [])
+                    (g,) = out.reserved
+                    assert isinstance(g, Grant), g
+                    assert all(v == "applied" for v in out.completed.values()), out.completed
+                    lease = (g.task_id, g.epoch, g.token)
+                    started = store.start_many(holder, [lease], TTL,
                                                permits={g.task_id: (Permit(holder, 5),)})
                     assert g.task_id in started
-                    outcome = store.complete(holder, [Completion(g.task_id, g.epoch, g.token,
-                                                                 "succeeded")])
-                    assert outcome is not None
+                    done = [Completion(g.task_id, g.epoch, g.token, "succeeded")]
+                out = store.exchange(holder, TTL, done, [], [])
+                assert list(out.completed.values()) == ["applied"]
             except BaseException as exc:
                 errors.append(exc)
 
