@@ -79,9 +79,11 @@ class Pooler:
         if not self._logged:
             self._logged = True
             how = "detected" if self.setting == "auto" else "pulse_store_pooler"
+            wakes = ("LISTEN on pulse_store_listen_url" if self.listen_url
+                     else "waiters poll, no LISTEN")
             (logger.info if self.role in ("worker", "cli") else logger.debug)(
                 "pulse: store pooler mode %s (%s)%s", self.mode, how,
-                "; per-transaction state only, no LISTEN" if self.transaction else "")
+                f"; per-transaction state only, {wakes}" if self.transaction else "")
         return self.mode
 
 
@@ -103,8 +105,8 @@ def mode_of(engine: Any) -> str:
 
 
 def detect(cparams: dict[str, Any]) -> str:
-    """``transaction`` or ``none`` (see the module doc); InvalidConfig for statement
-    pooling. A connection error propagates (the caller's retry decides)."""
+    """``transaction``, ``session`` or ``none`` (see the module doc); InvalidConfig for
+    statement pooling. A connection error propagates (the caller's retry decides)."""
     import psycopg
 
     params = dict(cparams, connect_timeout=max(1, int(PROBE_TIMEOUT_S)), autocommit=True)
