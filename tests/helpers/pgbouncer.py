@@ -70,6 +70,9 @@ class PgBouncer:
                 f"auth_type = trust\nauth_file = {self.dir}/users.txt\n"
                 f"pool_mode = {self.mode}\ndefault_pool_size = {self.pool_size}\n"
                 f"max_client_conn = 2000\nadmin_users = postgres\n"
+                # Idle server connections go soon: tests run beside each other (xdist)
+                # on one server with a bounded max_connections.
+                f"server_idle_timeout = 10\n"
                 f"logfile = {self.dir}/pgbouncer.log\npidfile = {self.dir}/pgbouncer.pid\n"
                 f"{extra}")
 
