@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -249,3 +250,47 @@ def test_two_workers_run_300_tasks_through_transaction_pooling(
         for bad in ("stopped consuming", "store unavailable", "Traceback",
                     "DuplicatePreparedStatement", "InvalidSqlStatementName"):
             assert bad not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("bouncer", [("transaction", 1)], indirect=True, ids=["pool1"])
+def test_no_session_setting_reaches_another_client_of_the_pool(bouncer: PgBouncer) -> None:
+    """Through a transaction pool of ONE server connection: pulse's store runs its
+    statements, then another client of the pool reads the server connection's
+    ``idle_in_transaction_session_timeout``. Passes if that client sees the server's
+    default (0; the issue: pulse's connect-time 2 s leaked to every client), a pulse
+    transaction sees its own 2 s cap, and with the database's own default set pulse
+    sets nothing per transaction."""
+    with pgb_database(bouncer) as url:
+        store = migrated(url)
+        other = sa.create_engine(url, poolclass=sa.pool.NullPool,
+                                 connect_args={"prepare_threshold": None})
+        try:
+            g = grant(store, W1, request())
+            assert store.start(W1, g.task_id, g.epoch, g.token, TTL)
+            with store.engine.begin() as conn:
+                assert conn.exec_driver_sql(
+                    "SHOW idle_in_transaction_session_timeout").scalar() == "2s"
+            with other.connect() as conn:
+                assert conn.exec_driver_sql(
+                    "SHOW idle_in_transaction_session_timeout").scalar() == "0"
+            with other.connect() as conn:
+                conn.exec_driver_sql(f'ALTER DATABASE "{sa.make_url(url).database}" '
+                                     "SET idle_in_transaction_session_timeout = '3s'")
+                conn.commit()
+        finally:
+            other.dispose()
+            store.close()
+        # The new default applies to new server connections only: PgBouncer's console
+        # closes the ones it holds.
+        with psycopg.Connection.connect(host="127.0.0.1", port=bouncer.port, user="postgres",
+                                        dbname="pgbouncer", autocommit=True) as admin:
+            admin.execute("RECONNECT")
+        engine = make_engine(url, EngineOptions(pooler="transaction"))
+        try:
+            with engine.begin() as conn:
+                assert conn.exec_driver_sql(
+                    "SHOW idle_in_transaction_session_timeout").scalar() == "3s"
+            found = pooler_mod.of(engine)
+            assert found is not None and not found.per_transaction_timeout
+        finally:
+            engine.dispose()

@@ -122,7 +122,8 @@ _FREE: list[str] = []
 
 
 def _reset(name: str) -> None:
-    """Empty database ``name``: its ``public`` schema dropped and made again."""
+    """Empty database ``name``: its ``public`` schema dropped and made again, its
+    settings back to the server's."""
     url = sa.make_url(services.PG_ADMIN_URL).set(database=name)
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     try:
@@ -131,6 +132,7 @@ def _reset(name: str) -> None:
                                  "WHERE datname = current_database() AND pid <> pg_backend_pid() "
                                  "AND state <> 'idle'")
             conn.exec_driver_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+            conn.exec_driver_sql(f'ALTER DATABASE "{name}" RESET ALL')
     finally:
         engine.dispose()
 
