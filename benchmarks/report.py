@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from benchmarks import retention
+from benchmarks import retention, wakeup
 
 STORE_LABEL = {"prefork": "prefork", "pulse-postgres": "pulse · PostgreSQL",
                "pulse-sqlite": "pulse · SQLite", "pulse-mariadb": "pulse · MariaDB",
@@ -697,6 +697,8 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
              _md_gateway)
     _section(lines, results, "retention", "11. Retention at the highest task rate (issue 35)",
              retention.markdown)
+    _section(lines, results, "wakeup", "12. A limited task's wake-up without LISTEN "
+             "(PgBouncer, issue 36)", wakeup.markdown)
     lines += ["", "## How the runner measures", "",
               "- Every broker queue, PostgreSQL schema, MariaDB database and SQLite file is fresh "
               "per run and migrated first; every process the runner starts lives in its own process group "

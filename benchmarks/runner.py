@@ -31,6 +31,7 @@ from benchmarks import (
     scale,
     sqlcost,
     throughput,
+    wakeup,
 )
 
 SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
@@ -46,6 +47,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "gateway": gateway.run,
     "retention": retention.run,
     "memory": memory.run,
+    "wakeup": wakeup.run,
 }
 
 #: Sections run only when named in ``--only`` (the memory one takes 10-40 minutes).

@@ -103,6 +103,16 @@ class Settings:
                                  "pulse:// backend), 1 to 64; a pool child keeps 1. See "
                                  "[Connections per worker](production.md#connections-per-worker)"
                                  ".", "4"))
+    store_pooler: str = dataclasses.field(
+        default="auto", metadata=_doc("The pooler between pulse and PostgreSQL (PgBouncer): "
+                                      "`none`, `session`, `transaction` (no session state, no "
+                                      "LISTEN), or `auto`: detected at start "
+                                      "(docs/production.md#pgbouncer).", "auto"))
+    store_listen_url: str | None = dataclasses.field(
+        default=None, metadata=_doc("A direct PostgreSQL URL (not through a transaction "
+                                    "pooler) for the LISTEN connections that wake permit and "
+                                    "result waiters; without it, they poll under transaction "
+                                    "pooling.", "None (the store URL's pool)"))
     concurrency_limits: Mapping[str, int] = dataclasses.field(
         default_factory=dict,
         metadata=_doc("Cluster-wide concurrency limits: at most N tasks of a name "
@@ -189,6 +199,15 @@ class Settings:
         if self.gateway_ca is not None and not os.path.isfile(self.gateway_ca):
             raise InvalidConfig(f"pulse_gateway_ca: no such file {self.gateway_ca!r}",
                                 setting="pulse_gateway_ca")
+        if self.store_listen_url is not None and not urlsplit(
+                self.store_listen_url).scheme.startswith("postgres"):
+            raise InvalidConfig(f"pulse_store_listen_url: expected a PostgreSQL URL, got "
+                                f"{mask_url(self.store_listen_url)!r}",
+                                setting="pulse_store_listen_url")
+        if self.store_pooler not in ("auto", "none", "session", "transaction"):
+            raise InvalidConfig(f"pulse_store_pooler must be auto, none, session or "
+                                f"transaction, got {self.store_pooler!r}",
+                                setting="pulse_store_pooler")
         if self.on_lost is not None and self.on_lost not in ON_LOST_POLICIES:
             raise InvalidConfig(f"pulse_on_lost must be one of {ON_LOST_POLICIES}, "
                                 f"got {self.on_lost!r}", setting="pulse_on_lost")

@@ -68,6 +68,10 @@ RULES: dict[str, Rule] = {
     "metrics_interval": Rule(_POSITIVE, {"pulse_metrics_interval": 0}),
     "store_connect_timeout": Rule(_POSITIVE, {"pulse_store_connect_timeout": 0}),
     "store_pool_size": Rule("an integer from 1 to 64", {"pulse_store_pool_size": 0}),
+    "store_pooler": Rule("`auto`, `none`, `session` or `transaction`; statement pooling "
+                         "stops the worker at startup", {"pulse_store_pooler": "statement"}),
+    "store_listen_url": Rule("a PostgreSQL URL, or unset",
+                             {"pulse_store_listen_url": "mysql://db/pulse"}),
     "concurrency_limits": Rule("a dict of task names or `queue:<routing key>` to integers >= 1",
                                {"pulse_concurrency_limits": {"proj.tasks.charge": 0}}),
     "permit_backlog": Rule("an integer >= 1", {"pulse_permit_backlog": 0}),

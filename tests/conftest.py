@@ -17,7 +17,8 @@ from tests.helpers.stores import migrated
 from tests.helpers.workers import Env, Worker
 
 #: pytest-celery's fixtures on local -P pulse workers (tests/acceptance/test_pytest_celery.py).
-pytest_plugins = ["celery_pulse.contrib.pytest_celery", "tests.helpers.gateway"]
+pytest_plugins = ["celery_pulse.contrib.pytest_celery", "tests.helpers.gateway",
+                  "tests.helpers.pgbouncer"]
 
 #: Tests that must not run beside each other under pytest-xdist (``--dist loadgroup``):
 #: pytest-celery's nodes share one Redis database, which each test empties at its end, and

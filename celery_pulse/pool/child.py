@@ -110,8 +110,15 @@ def _fencer() -> Any:
     global _fence
     if _fence is None:
         assert _context is not None
-        _fence = make_fencer(_context.store_url, _context.ttl)
+        _fence = make_fencer(_context.store_url, _context.ttl, _pooler_mode)
     return _fence
+
+
+def _pooler_mode() -> str:
+    """The store's pooler mode, as this process's store engine found it."""
+    from celery_pulse.store.sql.pooler import mode_of
+
+    return mode_of(_child_store().engine)
 
 
 def _task_codes(name: str) -> frozenset[CodeType]:

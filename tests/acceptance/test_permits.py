@@ -269,14 +269,23 @@ def store_of() -> Iterator[Callable[[str], SqlStore]]:
 
 
 def store_param(request: pytest.FixtureRequest) -> str:
-    url: str = request.getfixturevalue({"postgres": "pg_url", "sqlite": "sqlite_url"}
+    url: str = request.getfixturevalue({"postgres": "pg_url", "sqlite": "sqlite_url",
+                                        "pgb-session": "pgb_session_url",
+                                        "pgb-transaction": "pgb_transaction_url"}
                                        [request.param])
     return url
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
+@pytest.fixture(params=["postgres", "sqlite", "pgb-transaction"])
 def either_store(request: pytest.FixtureRequest) -> str:
-    """The PostgreSQL store, then a SQLite one (both with RabbitMQ)."""
+    """The PostgreSQL store, a SQLite one, and PostgreSQL through PgBouncer in transaction
+    mode (no LISTEN: waiters poll) (all with RabbitMQ)."""
+    return store_param(request)
+
+
+@pytest.fixture(params=["postgres", "pgb-session", "pgb-transaction"])
+def pg_or_pooled(request: pytest.FixtureRequest) -> str:
+    """PostgreSQL, directly and through PgBouncer in session and in transaction mode."""
     return store_param(request)
 
 
@@ -328,12 +337,14 @@ def test_limit_holds_across_three_workers_and_unlimited_tasks_flow(
 
 # -- 2. per-key limits -------------------------------------------------------------------------
 def test_per_key_limit_holds_per_key_and_keys_run_side_by_side(
-        pg_url: str, rabbitmq_url: str, tmp_path: Path, penv: Callable[..., Env],
+        pg_or_pooled: str, rabbitmq_url: str, tmp_path: Path, penv: Callable[..., Env],
         cluster: Cluster, store_of: Callable[[str], SqlStore]) -> None:
     """``pulse_concurrency=1`` with ``pulse_concurrency_key`` on ``kwargs["customer"]``:
     10 tasks for each of 5 customers on 2 workers x ``-c 4``. Passes if no customer ever
     has two bodies running at once, different customers do run at the same time, each
-    task runs once, and the store knows one limit per customer, all free at the end."""
+    task runs once, and the store knows one limit per customer, all free at the end.
+    Directly and through PgBouncer in both modes."""
+    pg_url = pg_or_pooled
     env = penv(pg_url, rabbitmq_url)
     store = store_of(pg_url)
     journal = tmp_path / "journal.txt"

@@ -23,6 +23,7 @@ from celery_pulse.store.base import (
     PermitUsage,
 )
 from celery_pulse.store.sql import permits as permits_sql
+from celery_pulse.store.sql import pooler
 from celery_pulse.store.sql.claim_rows import lease_key_in
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
@@ -99,4 +100,10 @@ class SqlClaimsAdmin:
             return permits_sql.usage(conn, self.conns.dialect)
 
     def permit_signals(self) -> AbstractContextManager[PermitSignals] | None:
-        return permits_sql.signals(self.conns.engine) if self.conns.dialect.notifies else None
+        engine = self.conns.engine
+        if not self.conns.dialect.notifies:
+            return None
+        with translated("permit signal"):
+            if not pooler.listens(engine):
+                return None  # waiters poll (docs/production.md#pgbouncer)
+        return permits_sql.signals(engine)

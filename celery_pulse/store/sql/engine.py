@@ -22,6 +22,8 @@ from sqlalchemy.engine import make_url
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.settings import Settings
 from celery_pulse.store.sql import sizing
+from celery_pulse.store.sql.pooler import OPTION as POOLER_OPTION
+from celery_pulse.store.sql.pooler import Pooler, pooled_transactions
 from celery_pulse.store_urls import canonical_store_url
 
 #: How long a SQLite writer waits for the lock held by another process.
@@ -51,12 +53,16 @@ class EngineOptions:
     pool_size: int = sizing.DEFAULT_POOL_SIZE
     #: How long a thread waits for a pooled connection before StoreUnavailable.
     pool_timeout: float = sizing.POOL_TIMEOUT_S
+    #: ``pulse_store_pooler`` and ``pulse_store_listen_url`` (see :mod:`.pooler`).
+    pooler: str = "auto"
+    listen_url: str | None = None
 
     @classmethod
     def of(cls, settings: Settings, role: str) -> EngineOptions:
         """The options ``settings`` give the engine of a process in ``role``."""
         return cls(role=role, pool_size=settings.store_pool_size,
-                   pool_timeout=sizing.pool_timeout(settings.renew_interval))
+                   pool_timeout=sizing.pool_timeout(settings.renew_interval),
+                   pooler=settings.store_pooler, listen_url=settings.store_listen_url)
 
     def pool(self) -> dict[str, Any]:
         """The pool arguments of a server's engine (:func:`.sizing.pool_arguments`)."""
@@ -73,11 +79,16 @@ def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
         return _named(_mysql_engine(parsed, options), options.role)
     _require("psycopg", "psycopg", PG_INSTALL)
     connect_args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
-    engine = _named(sa.create_engine(parsed, connect_args=connect_args, **options.pool()),
-                    options.role)
+    pooler = Pooler(options.pooler, options.listen_url, options.role)
+    engine = _named(sa.create_engine(parsed, connect_args=connect_args,
+                                     execution_options={POOLER_OPTION: pooler},
+                                     **options.pool()), options.role)
+    pooled_transactions(engine, pooler, IDLE_IN_TRANSACTION_S)
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        if pooler.transaction:  # a session setting would stay on the server connection
+            return
         # A session setting, not the URL's ``options`` (which may carry search_path).
         with dbapi_conn.cursor() as cur:
             cur.execute(f"SET idle_in_transaction_session_timeout = "

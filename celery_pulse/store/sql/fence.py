@@ -40,8 +40,10 @@ def _identity(url: sa.URL) -> tuple[str, str | None, int | None, str | None]:
     return (backend, url.host, url.port, database)
 
 
-def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
-    """A fencer bound to the store at ``store_url`` (the pool child builds one)."""
+def make_fencer(store_url: str, ttl: float, pooler_mode: Callable[[], str] | None = None
+                ) -> Callable[[Lease, Any], Any]:
+    """A fencer bound to the store at ``store_url`` (the pool child builds one);
+    ``pooler_mode`` tells the store's pooler mode (:mod:`.pooler`)."""
     expected = _identity(make_url(store_url))
 
     @contextmanager
@@ -75,6 +77,8 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
         _check_database(conn)
         lease.check()
         dialect = Dialect(conn.dialect.name)
+        if dialect.is_postgres and pooler_mode is not None:
+            _check_prepare(conn, pooler_mode())
         if dialect.is_postgres:
             ms = max(1, int(ttl * 1000))
             for setting in ("lock_timeout", "statement_timeout",
@@ -107,6 +111,19 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
             raise lease.lost_error(" (expired before commit)")
 
     return fenced
+
+
+def _check_prepare(conn: sa.Connection, mode: str) -> None:
+    """Under a transaction pooler psycopg's auto-prepare (after 5 uses of a statement)
+    names statements on a server connection the next transaction may not have:
+    refused before it fails at random."""
+    threshold = getattr(conn.connection.driver_connection, "prepare_threshold", None)
+    if mode == "transaction" and threshold is not None:
+        raise InvalidConfig(
+            "lease.fenced(): the store is behind a transaction pooler (pulse_store_pooler) "
+            "and this engine's psycopg connections prepare statements (prepare_threshold="
+            f"{threshold}): create the engine with connect_args={{'prepare_threshold': None}}",
+            setting="pulse_store_pooler")
 
 
 def _cap_mysql_session(conn: sa.Connection, ttl: float) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
 from celery_pulse.store.rules import decide_permits
+from celery_pulse.store.sql import pooler
 from celery_pulse.store.sql.claim_rows import CHUNK
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.dialect import Dialect
@@ -284,6 +285,18 @@ class Signals:
 
 @contextlib.contextmanager
 def signals(engine: sa.Engine) -> Iterator[Signals]:
+    """A connection LISTENing on :data:`CHANNEL`: a direct one to
+    ``pulse_store_listen_url`` when set, else one out of the pool (never back)."""
+    with driver_translated("permit signal"):
+        direct = pooler.direct_listener(engine)
+    if direct is not None:
+        try:
+            with driver_translated("permit signal"):
+                direct.execute(f"LISTEN {CHANNEL}")
+            yield Signals(direct)
+        finally:
+            direct.close()
+        return
     with translated("permit signal"):
         raw = engine.raw_connection()
     conn: Any = raw.driver_connection

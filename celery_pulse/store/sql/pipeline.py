@@ -26,6 +26,7 @@ from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
 from celery_pulse.errors import StoreUnavailable
+from celery_pulse.store.sql import pooler
 from celery_pulse.store.sql.errors import driver_translated, translated
 from celery_pulse.store.sql.libpq_io import SocketCalls
 
@@ -34,6 +35,8 @@ from celery_pulse.store.sql.libpq_io import SocketCalls
 PREPARED_MAX = 100
 
 _OK = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
+#: The transaction's own idle cap, under a transaction pooler (see :mod:`.pooler`).
+_CAP = "SELECT set_config('idle_in_transaction_session_timeout', %s, true)"
 
 
 class Pipeline:
@@ -51,6 +54,12 @@ class Pipeline:
         self._named = 0
         self._poll: Any = None
         self._io: SocketCalls | None = None
+        #: Unnamed statements only (parse, bind, execute in each exchange): a transaction
+        #: pooler hands the server connection to another client after each one.
+        self.unnamed = False
+        #: Statements that cap the transaction's idle time (a transaction pooler, the
+        #: server's default being 0): sent first in :meth:`transaction`.
+        self._cap: list[tuple[str, Sequence[Any]]] = []
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._raw is None:
@@ -62,6 +71,10 @@ class Pipeline:
             self._tx = Transformer.from_context(conn)
             self._io = SocketCalls(conn.pgconn)
             self._prepared.clear()
+            found = pooler.of(self.engine)
+            self.unnamed = found is not None and found.transaction
+            self._cap = ([(_CAP, (str(found.idle_ms),))]
+                         if found is not None and found.per_transaction_timeout else [])
             self._poll = select.poll()
             self._poll.register(conn.pgconn.socket, select.POLLIN)
         driver: psycopg.Connection[Any] = self._conn
@@ -119,6 +132,11 @@ class Pipeline:
         for sql, params in statements:
             values = tx.dump_sequence(params, [PyFormat.AUTO] * len(params))
             types = tx.types or ()
+            if self.unnamed:
+                pg.send_query_params(_native(sql), values, param_types=types,
+                                     param_formats=tx.formats)
+                ours.append(True)
+                continue
             key = (sql, types)
             name = prepared.get(key)
             if name is None:
@@ -149,22 +167,24 @@ class Pipeline:
             try:
                 with translated(where), driver_translated(where):
                     conn = self._connection()
+                    prepare = not self.unnamed
+                    cap = len(self._cap)
                     with conn.pipeline() as pipe, conn.transaction():
-                        cursors = self._send(conn, first)
+                        cursors = self._send(conn, [*self._cap, *first], prepare)[cap:]
                         pipe.sync()
-                        cursors = self._send(conn, then([_rows(c) for c in cursors]))
+                        cursors = self._send(conn, then([_rows(c) for c in cursors]), prepare)
                     return [_rows(cursor) for cursor in cursors]
             except BaseException:
                 self.close()
                 raise
 
     @staticmethod
-    def _send(conn: psycopg.Connection[Any], statements: Sequence[tuple[str, Sequence[Any]]]
-              ) -> list[psycopg.Cursor[Any]]:
+    def _send(conn: psycopg.Connection[Any], statements: Sequence[tuple[str, Sequence[Any]]],
+              prepare: bool) -> list[psycopg.Cursor[Any]]:
         cursors = []
         for sql, params in statements:
             cursor = conn.cursor()
-            cursor.execute(sql, params, prepare=True)
+            cursor.execute(sql, params, prepare=prepare)
             cursors.append(cursor)
         return cursors
 

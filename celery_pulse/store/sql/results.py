@@ -23,8 +23,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_pulse.store.base import ResultRecord
+from celery_pulse.store.sql import pooler
 from celery_pulse.store.sql.connections import Connections
-from celery_pulse.store.sql.errors import translated
+from celery_pulse.store.sql.errors import driver_translated, translated
 from celery_pulse.store.sql.tables import results
 
 #: Rows deleted per statement by :meth:`ResultRows.purge_expired`.
@@ -139,8 +140,20 @@ class ResultRows:
     def watch(self, keys: Sequence[str]) -> Iterator[Watch]:
         """Watch ``keys`` for writes. Enter it before reading them: on PostgreSQL it
         listens first, so a write committed between the read and the wait still wakes it."""
-        if not self.dialect.notifies:
-            yield Watch(set(keys))
+        with translated("result watch"):
+            polls = not self.dialect.notifies or not pooler.listens(self.engine)
+        if polls:
+            yield Watch(set(keys))  # polls (docs/production.md#pgbouncer)
+            return
+        with translated("result watch"), driver_translated("result watch"):
+            direct = pooler.direct_listener(self.engine)
+        if direct is not None:
+            try:
+                with driver_translated("result watch"):
+                    direct.execute(f"LISTEN {CHANNEL}")
+                yield Watch(set(keys), direct)
+            finally:
+                direct.close()
             return
         with translated("result watch"):
             # Autocommit: the LISTEN takes effect at once, and each read sees the latest.
