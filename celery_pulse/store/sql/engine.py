@@ -76,7 +76,27 @@ def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
                         f"{IDLE_IN_TRANSACTION_S * 1000}")
         dbapi_conn.commit()
 
+    drop_on_failover(engine)
     return engine
+
+
+#: SQLSTATEs that say this server is no longer the read-write primary, or is going
+#: away: read-only (a demoted primary, a standby), admin shutdown, crash shutdown,
+#: cannot connect now (starting up, or in recovery).
+FAILOVER_SQLSTATES = ("25006", "57P01", "57P02", "57P03")
+
+
+def drop_on_failover(engine: sa.Engine) -> None:
+    """Treat an error that says "not the primary" as a lost connection: SQLAlchemy then
+    discards the connection and every other pooled one (they reach the same server), so
+    the next checkout connects afresh and libpq's ``target_session_attrs=read-write``
+    finds the new primary of a multi-host URL. A read-only server's sessions would
+    otherwise stay in the pool, every write refused, for as long as it lives."""
+
+    @sa.event.listens_for(engine, "handle_error")
+    def _on_error(context: Any) -> None:
+        if getattr(context.original_exception, "sqlstate", None) in FAILOVER_SQLSTATES:
+            context.is_disconnect = True
 
 
 #: MySQL/MariaDB drivers pulse accepts, by SQLAlchemy driver name: the module each needs
