@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.settings import Settings
+from celery_pulse.store.sql.errors import failover_error
 from celery_pulse.store_urls import canonical_store_url
 
 #: How long a SQLite writer waits for the lock held by another process.
@@ -80,12 +81,6 @@ def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
     return engine
 
 
-#: SQLSTATEs that say this server is no longer the read-write primary, or is going
-#: away: read-only (a demoted primary, a standby), admin shutdown, crash shutdown,
-#: cannot connect now (starting up, or in recovery).
-FAILOVER_SQLSTATES = ("25006", "57P01", "57P02", "57P03")
-
-
 def drop_on_failover(engine: sa.Engine) -> None:
     """Treat an error that says "not the primary" as a lost connection: SQLAlchemy then
     discards the connection and every other pooled one (they reach the same server), so
@@ -95,7 +90,7 @@ def drop_on_failover(engine: sa.Engine) -> None:
 
     @sa.event.listens_for(engine, "handle_error")
     def _on_error(context: Any) -> None:
-        if getattr(context.original_exception, "sqlstate", None) in FAILOVER_SQLSTATES:
+        if failover_error(context.original_exception):
             context.is_disconnect = True
 
 
