@@ -31,7 +31,7 @@ from celery_pulse.store.sql.tables import claims
 from celery_pulse.store_urls import canonical_store_url, pg_servers
 
 
-def _identity(url: sa.URL) -> tuple[str, tuple[tuple[str, str], ...], str | None]:
+def identity(url: sa.URL) -> tuple[str, tuple[tuple[str, str], ...], str | None]:
     """The database a URL names: its family, its servers (every host of a multi-host
     PostgreSQL URL, in any spelling: a failover changes which one answers, not the
     database) and its name."""
@@ -50,7 +50,7 @@ def _identity(url: sa.URL) -> tuple[str, tuple[tuple[str, str], ...], str | None
 
 def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
     """A fencer bound to the store at ``store_url`` (the pool child builds one)."""
-    expected = _identity(make_url(canonical_store_url(store_url)))
+    expected = identity(make_url(canonical_store_url(store_url)))
 
     @contextmanager
     def fenced(lease: Lease, target: Any) -> Iterator[Any]:
@@ -73,7 +73,7 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
                 _restore(conn, saved)
 
     def _check_database(conn: sa.Connection) -> None:
-        if _identity(conn.engine.url) != expected:
+        if identity(conn.engine.url) != expected:
             raise InvalidConfig(
                 "lease.fenced() needs a connection to the pulse store's database; for "
                 "another resource use lease.check() and the (task_id, epoch) token")
