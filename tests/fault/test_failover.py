@@ -34,7 +34,7 @@ from tests.fault.checker import ClaimState, Event, PermitHold, check
 from tests.helpers import services
 from tests.helpers.pg import Schema
 from tests.helpers.pg_ha import ReplicatedPostgres
-from tests.helpers.workers import Env, Worker, assert_alive, wait_alive, wait_for
+from tests.helpers.workers import Env, Worker, assert_alive, wait_alive
 
 #: Tasks published: 2,000 settle in ~40 s on a shared 2-core machine (the report line).
 TASKS = int(os.environ.get("PULSE_FAILOVER_TASKS", "2000"))
