@@ -108,8 +108,12 @@ def _body(task: Any, seconds: float, marks: bool = False) -> str:
     except LeaseLost:
         mark("fence_rejected")
         raise
-    except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
-        # The store is down (nemesis): try again later under a new reservation.
+    except sa.exc.DBAPIError as exc:
+        # The store is down (nemesis), or read-only after a failover (the connection
+        # invalidated): try again later under a new reservation.
+        if not (isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError))
+                or exc.connection_invalidated):
+            raise
         raise task.retry(exc=exc, countdown=1, max_retries=20) from exc
     mark("end")  # only after the fenced block committed
     return task_id

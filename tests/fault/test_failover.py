@@ -62,6 +62,11 @@ MIX: list[tuple[str, int, tuple[float, float]]] = [
 ]
 
 
+#: Client sessions on a server other than the one asking.
+OTHER_SESSIONS = ("select count(*) from pg_stat_activity where backend_type = 'client backend' "
+                  "and pid <> pg_backend_pid()")
+
+
 @pytest.fixture
 def history() -> Iterator[str]:
     services.require("postgres")
@@ -78,7 +83,7 @@ def history() -> Iterator[str]:
         schema.drop()
 
 
-def _publish(env: Env, seed: int) -> list[str]:
+def _publish(env: Env, seed: int, tasks: int) -> list[str]:
     from celery import Celery
 
     rng = random.Random(seed)
@@ -86,7 +91,7 @@ def _publish(env: Env, seed: int) -> list[str]:
     ids: list[str] = []
     weights = [w for _, w, _ in MIX]
     with app.producer_or_acquire() as producer:
-        for _ in range(TASKS):
+        for _ in range(tasks):
             name, _, (low, high) = rng.choices(MIX, weights)[0]
             task_id = str(uuid.uuid4())
             args = [] if name == "faultapp.flaky" else [round(rng.uniform(low, high), 3)]
@@ -155,9 +160,14 @@ def stale_effects(effects: list[tuple[str, int, float]], events: list[Event]) ->
     return out
 
 
-def test_primary_killed_and_standby_promoted_under_load(
-        replicated_pg: ReplicatedPostgres, history: str, rabbitmq_vhost_url: str,
-        make_env: Callable[..., Env], workers: Callable[..., Worker]) -> None:
+@pytest.mark.parametrize(("mode", "tasks"), [("killed", TASKS), ("read_only", TASKS // 2)])
+def test_primary_lost_and_standby_promoted_under_load(
+        mode: str, tasks: int, replicated_pg: ReplicatedPostgres, history: str,
+        rabbitmq_vhost_url: str, make_env: Callable[..., Env],
+        workers: Callable[..., Worker]) -> None:
+    """``killed``: the primary's processes SIGKILLed (a lost host). ``read_only``: the
+    primary stays up and refuses writes (a demoted primary): every connection of the
+    workers, and of the tasks' own engine, must leave it for the new primary."""
     seed = int(os.environ.get("PULSE_FAULT_SEED") or random.SystemRandom().randrange(1 << 30))
     print(f"\nfailover seed: {seed} (replay with PULSE_FAULT_SEED={seed})")
     env = make_env(replicated_pg.url, rabbitmq_vhost_url, dict(TIMINGS))
@@ -178,23 +188,29 @@ def test_primary_killed_and_standby_promoted_under_load(
     finally:
         os.environ.pop("PULSE_FAULT_TICK")
     started = time.monotonic()
-    submitted = _publish(env, seed)
+    submitted = _publish(env, seed, tasks)
     published = time.monotonic() - started
     ends = "select count(distinct task_id) from fault_events where kind = 'end'"
-    wait_alive(lambda: _count(history, ends) >= KILL_AT * TASKS, 120,
+    wait_alive(lambda: _count(history, ends) >= KILL_AT * tasks, 120,
                f"{KILL_AT:.0%} of the tasks to finish", ws, interval=0.2)
     done_before = _count(history, ends)
     killed_wall, killed = time.time(), time.monotonic()
-    replicated_pg.kill_primary()
+    if mode == "killed":
+        replicated_pg.kill_primary()
+    else:
+        replicated_pg.demote_primary()
     time.sleep(PROMOTE_AFTER)  # the failover's own delay, not a wait for an effect
     replicated_pg.promote()
     promoted = time.monotonic() - killed
     settled = ("select count(*) from pulse_claims where task_id = any(:ids) and state in "
                "('succeeded', 'failed', 'needs_review')")
-    wait_alive(lambda: _count(replicated_pg.url, settled, {"ids": submitted}) == TASKS,
+    wait_alive(lambda: _count(replicated_pg.url, settled, {"ids": submitted}) == tasks,
                SETTLE, "every task to settle on the new primary", ws, interval=1.0)
     elapsed = time.monotonic() - started
     assert_alive(*ws)
+    if mode == "read_only":  # nothing stays on the demoted primary
+        wait_alive(lambda: _count(replicated_pg.primary.url, OTHER_SESSIONS) == 0, 15,
+                   "the workers' sessions on the demoted primary to close", ws, interval=0.5)
     claims, events, effects, slots, holds, finished = _read(replicated_pg.url, history)
     report = check(submitted, claims, events, [(t, e) for t, e, _ in effects], slots,
                    slot_period=1.0, limits={LIMITED: 2}, permit_holds=holds)
@@ -213,7 +229,7 @@ def test_primary_killed_and_standby_promoted_under_load(
     report.recoveries = sum(log.count("pulse: recovered ") for log in logs.values())
     fenced = sorted(n for n, log in logs.items() if " fenced (" in log)
     resumed = sorted(n for n, log in logs.items() if "registered again: resuming" in log)
-    print(f"[failover] seed={seed} tasks={TASKS} published_in={published:.1f}s "
+    print(f"[failover {mode}] seed={seed} tasks={tasks} published_in={published:.1f}s "
           f"done_before_kill={done_before} promoted_after={promoted:.1f}s "
           f"kill_to_first_completion_on_new_primary="
           f"{'none' if to_first is None else f'{to_first:.2f}s'} (after the promotion: "
@@ -223,7 +239,7 @@ def test_primary_killed_and_standby_promoted_under_load(
     for violation in report.violations[:20]:
         print(f"  VIOLATION {violation}")
     assert not report.violations, report.violations[:5]
-    assert report.succeeded + report.needs_review == TASKS
+    assert report.succeeded + report.needs_review == tasks
     assert to_first is not None and to_first > PROMOTE_AFTER
     # Every worker fenced itself and came back, or never needed to; each completed
     # tasks on the new primary (it reconnected, re-registered, resumed).

@@ -71,6 +71,18 @@ class ReplicatedPostgres:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
+    def demote_primary(self) -> None:
+        """The primary stays up but takes no more writes (``default_transaction_read_only``
+        for every session, as a fencing tool may leave a demoted primary)."""
+        engine = sa.create_engine(self.primary.url, poolclass=sa.pool.NullPool,
+                                  isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text("alter system set default_transaction_read_only = on"))
+                conn.execute(sa.text("select pg_reload_conf()"))
+        finally:
+            engine.dispose()
+
     def promote(self) -> None:
         """The standby becomes the read-write primary (``pg_ctl promote``, waited for)."""
         self.standby.run(pg_bin("pg_ctl"), "-D", self.standby.data, "-w", "-t", "30",

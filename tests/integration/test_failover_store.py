@@ -48,18 +48,6 @@ def _clients(server: PrivatePostgres) -> int:
         engine.dispose()
 
 
-def _demote(server: PrivatePostgres) -> None:
-    """The primary stays up but takes no more writes (as a fencing tool leaves it)."""
-    engine = sa.create_engine(server.url, poolclass=sa.pool.NullPool,
-                              isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text("alter system set default_transaction_read_only = on"))
-            conn.execute(sa.text("select pg_reload_conf()"))
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture
 def ha_store(replicated_pg: ReplicatedPostgres) -> Iterator[SqlStore]:
     store = migrated(replicated_pg.url)
@@ -101,7 +89,7 @@ def test_a_primary_turned_read_only_is_left_for_the_new_primary(
     assert _port(store) == replicated_pg.primary.port
     assert _clients(replicated_pg.primary) > 0
     replicated_pg.promote()
-    _demote(replicated_pg.primary)
+    replicated_pg.demote_primary()
     # The hot path's write is refused on the old primary: the store is unavailable ...
     with pytest.raises(StoreUnavailable):
         _reserve(store)
@@ -120,7 +108,7 @@ def test_the_pool_leaves_a_read_only_server_on_its_first_refused_write(
     store = ha_store
     store.register(W, {}, 30.0)
     replicated_pg.promote()
-    _demote(replicated_pg.primary)
+    replicated_pg.demote_primary()
     with pytest.raises(StoreUnavailable):
         store.register(W, {}, 30.0)
     store.register(W, {}, 30.0)
@@ -160,7 +148,7 @@ def test_the_permit_listener_leaves_a_read_only_server(
     with channel as signals:
         assert signals.receive(0.05) == set()  # listening on the primary
         replicated_pg.promote()
-        _demote(replicated_pg.primary)
+        replicated_pg.demote_primary()
         with pytest.raises(StoreUnavailable, match="read-only"):
             signals.receive(0.05)
     channel = ha_store.permit_signals()

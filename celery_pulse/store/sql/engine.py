@@ -86,12 +86,15 @@ def drop_on_failover(engine: sa.Engine) -> None:
     discards the connection and every other pooled one (they reach the same server), so
     the next checkout connects afresh and libpq's ``target_session_attrs=read-write``
     finds the new primary of a multi-host URL. A read-only server's sessions would
-    otherwise stay in the pool, every write refused, for as long as it lives."""
+    otherwise stay in the pool, every write refused, for as long as it lives.
+    Idempotent: ``lease.fenced()`` also installs it on the application's engine."""
+    if not sa.event.contains(engine, "handle_error", _failover_is_disconnect):
+        sa.event.listen(engine, "handle_error", _failover_is_disconnect)
 
-    @sa.event.listens_for(engine, "handle_error")
-    def _on_error(context: Any) -> None:
-        if failover_error(context.original_exception):
-            context.is_disconnect = True
+
+def _failover_is_disconnect(context: Any) -> None:
+    if failover_error(context.original_exception):
+        context.is_disconnect = True
 
 
 #: MySQL/MariaDB drivers pulse accepts, by SQLAlchemy driver name: the module each needs

@@ -27,6 +27,7 @@ from celery_pulse.errors import InvalidConfig
 from celery_pulse.lease import Lease
 from celery_pulse.store.base import LIVE_STATES
 from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.engine import drop_on_failover
 from celery_pulse.store.sql.tables import claims
 from celery_pulse.store_urls import canonical_store_url, pg_servers
 
@@ -77,6 +78,10 @@ def make_fencer(store_url: str, ttl: float) -> Callable[[Lease, Any], Any]:
             raise InvalidConfig(
                 "lease.fenced() needs a connection to the pulse store's database; for "
                 "another resource use lease.check() and the (task_id, epoch) token")
+        if conn.dialect.name == "postgresql":
+            # The application's engine reaches the store's servers: after a failover
+            # its pool must leave the old primary as pulse's own does.
+            drop_on_failover(conn.engine)
 
     def _guard(conn: sa.Connection, lease: Lease) -> dict[str, Any]:
         """Lock the claim row if the lease holds; returns session settings to restore."""
