@@ -6,7 +6,9 @@ URL with ``target_session_attrs=read-write``. Three ``celery worker -P pulse`` w
 (``-c 2``) run a mix of tasks (no-ops, 10-50 ms of work, acks_late and default-acks,
 retrying, a few longer than the lease TTL, a few limited by a cluster-wide permit) and a
 1 s beat schedule. Mid-run the primary's postmaster and every process of it are
-SIGKILLed; :data:`PROMOTE_AFTER` seconds later (an orchestrator noticing) the standby is
+SIGKILLed (``killed``: 2,000 tasks), or the primary stays up and turns read-only
+(``read_only``: a demoted primary, 1,000 tasks; afterwards no session may remain on
+it); :data:`PROMOTE_AFTER` seconds later (an orchestrator noticing) the standby is
 promoted. Every body writes its effect through ``lease.fenced(conn)`` and records its
 run in a history database the failover never touches; the checker then asserts: every
 task succeeded with exactly one fenced effect, or is in review for a started
@@ -215,6 +217,10 @@ def test_primary_lost_and_standby_promoted_under_load(
     report = check(submitted, claims, events, [(t, e) for t, e, _ in effects], slots,
                    slot_period=1.0, limits={LIMITED: 2}, permit_holds=holds)
     report.violations += stale_effects(effects, events)
+    started_ids = {e.task_id for e in events if e.kind == "start"}
+    report.violations += [f"{c.task_id}: in review ({c.policy}) but never started"
+                          for c in claims if c.state == "needs_review"
+                          and (c.policy != "review" or c.task_id not in started_ids)]
     ticks = sum(1 for e in events if e.kind == "tick")
     if ticks > elapsed + 5:  # a 1 s schedule: more ticks than seconds = a slot fired twice
         report.violations.append(f"{ticks} periodic ticks in {elapsed:.0f}s")
