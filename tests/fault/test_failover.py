@@ -250,6 +250,26 @@ def test_primary_lost_and_standby_promoted_under_load(
     # Every worker fenced itself and came back, or never needed to; each completed
     # tasks on the new primary (it reconnected, re-registered, resumed).
     assert set(fenced) <= set(resumed), (fenced, resumed)
+    assert not any("commits do not wait" in log for log in logs.values())  # synchronous
     for w in ws:
         holder = w.name.split("@")[0]
         assert any(h and h.startswith(holder) for h, _ in after), f"{w.name}: nothing after"
+
+
+def test_a_worker_warns_at_start_when_commits_do_not_wait_for_the_standby(
+        rabbitmq_vhost_url: str, make_env: Callable[..., Env],
+        workers: Callable[..., Worker]) -> None:
+    """A standby attached, ``synchronous_standby_names`` empty: the worker says so in its
+    log, naming both settings and the docs, and starts anyway."""
+    services.require("postgres")
+    pair = ReplicatedPostgres(synchronous=False)
+    try:
+        pair.start()
+        env = make_env(pair.url, rabbitmq_vhost_url, {})
+        worker = workers(env, "async@%h").wait_ready(60)
+        line = worker.wait_log(r"WARNING.*standby\(s\) attached but commits do not wait.*", 5)
+        for words in ("synchronous_commit='on'", "synchronous_standby_names=''",
+                      "docs/production.md"):
+            assert words in line.group(0), line.group(0)
+    finally:
+        pair.destroy()
