@@ -64,12 +64,13 @@ class ReplicatedPostgres:
 
     def kill_primary(self) -> None:
         """SIGKILL the primary's postmaster and every process of it (a host gone): no
-        shutdown, no last word to the clients."""
+        shutdown, no last word to the clients, every socket closed at once. Its
+        children each run in a session of their own, so they are found by parent."""
         pid = self.primary.postmaster_pid()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        children = _children(pid)  # before the kill: orphans are adopted by init
+        for victim in (pid, *children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
 
     def demote_primary(self) -> None:
         """The primary stays up but takes no more writes (``default_transaction_read_only``
@@ -80,6 +81,13 @@ class ReplicatedPostgres:
             with engine.connect() as conn:
                 conn.execute(sa.text("alter system set default_transaction_read_only = on"))
                 conn.execute(sa.text("select pg_reload_conf()"))
+
+            def applied() -> bool:  # the postmaster reloaded, and signalled its children
+                with engine.connect() as conn:
+                    return bool(conn.execute(sa.text(
+                        "select current_setting('default_transaction_read_only') = 'on'"
+                    )).scalar())
+            wait_for(applied, 10, "the primary to turn read-only")
         finally:
             engine.dispose()
 
@@ -92,3 +100,20 @@ class ReplicatedPostgres:
         for server in (self.standby, self.primary):
             with contextlib.suppress(subprocess.SubprocessError, OSError):
                 server.destroy()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            found.append(int(entry))
+    return found

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -81,20 +81,42 @@ def test_a_multi_host_url_opens_on_the_read_write_server(replicated_pg: Replicat
         store.close()
 
 
+def _refused(call: Callable[[], object], what: str) -> None:
+    """Call until the store says it is unavailable (a few seconds at most): a session
+    takes the server's new read-only default at its next command but one (PostgreSQL
+    reloads its configuration between commands), so one write may still land."""
+    def refused() -> bool:
+        try:
+            call()
+        except StoreUnavailable:
+            return True
+        return False
+    wait_for(refused, 5, what, interval=0.05)
+
+
+def _ok(call: Callable[[], object]) -> bool:
+    try:
+        call()
+    except StoreUnavailable:
+        return False
+    return True
+
+
 def test_a_primary_turned_read_only_is_left_for_the_new_primary(
         replicated_pg: ReplicatedPostgres, ha_store: SqlStore) -> None:
+    """Demoted in place first (it keeps its sessions), then the standby promoted, as a
+    failover tool does it: the old primary never takes a write the standby lacks."""
     store = ha_store
     _reserve(store)  # the pipelined hot path's connection
     store.register(W, {}, 30.0)  # and the pool's
     assert _port(store) == replicated_pg.primary.port
     assert _clients(replicated_pg.primary) > 0
-    replicated_pg.promote()
     replicated_pg.demote_primary()
     # The hot path's write is refused on the old primary: the store is unavailable ...
-    with pytest.raises(StoreUnavailable):
-        _reserve(store)
-    # ... and its next call reaches the new one (libpq skips the read-only server).
-    _reserve(store)
+    _refused(lambda: _reserve(store), "the hot path's write to be refused")
+    replicated_pg.promote()
+    # ... and a later call reaches the new one (libpq skips the read-only server).
+    wait_for(lambda: _ok(lambda: _reserve(store)), 10, "the hot path on the new primary")
     store.register(W, {}, 30.0)
     assert _port(store) == replicated_pg.standby.port
     # Nothing of the store stays on the old server: the pool was replaced.
@@ -107,12 +129,14 @@ def test_the_pool_leaves_a_read_only_server_on_its_first_refused_write(
     """A write through SQLAlchemy (not the hot path) refused as read-only drops the pool."""
     store = ha_store
     store.register(W, {}, 30.0)
-    replicated_pg.promote()
     replicated_pg.demote_primary()
-    with pytest.raises(StoreUnavailable):
-        store.register(W, {}, 30.0)
-    store.register(W, {}, 30.0)
+    _refused(lambda: store.register(W, {}, 30.0), "the registration to be refused")
+    replicated_pg.promote()
+    wait_for(lambda: _ok(lambda: store.register(W, {}, 30.0)), 10,
+             "the registration on the new primary")
     assert _port(store) == replicated_pg.standby.port
+    wait_for(lambda: _clients(replicated_pg.primary) == 0, 10,
+             "the pool's sessions on the demoted primary to close")
 
 
 def test_a_killed_primary_is_left_for_the_promoted_standby(
@@ -131,14 +155,6 @@ def test_a_killed_primary_is_left_for_the_promoted_standby(
     assert _port(store) == replicated_pg.standby.port
 
 
-def _ok(call: object) -> bool:
-    try:
-        call()  # type: ignore[operator]
-    except StoreUnavailable:
-        return False
-    return True
-
-
 def test_the_permit_listener_leaves_a_read_only_server(
         replicated_pg: ReplicatedPostgres, ha_store: SqlStore,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,10 +163,9 @@ def test_the_permit_listener_leaves_a_read_only_server(
     assert channel is not None
     with channel as signals:
         assert signals.receive(0.05) == set()  # listening on the primary
-        replicated_pg.promote()
         replicated_pg.demote_primary()
-        with pytest.raises(StoreUnavailable, match="read-only"):
-            signals.receive(0.05)
+        _refused(lambda: signals.receive(0.05), "the listener to leave the old primary")
+        replicated_pg.promote()
     channel = ha_store.permit_signals()
     assert channel is not None
     with channel as signals:  # the caller's reconnect: on the new primary
