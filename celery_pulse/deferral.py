@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from celery_pulse.store.base import ResultRecord
+from celery_pulse.store_urls import canonical_store_url, pg_servers
 
 #: The states a pool child hands to its parent instead of writing them: those that end
 #: an attempt. ``STARTED`` (``task_track_started``) is written at once, to be seen while
@@ -52,6 +53,10 @@ def deferred_result(task_id: str) -> Iterator[Deferral]:
         deferral.task_id = None
 
 
+#: Query parameters of a PostgreSQL URL that say which server to reach, not which data.
+_SERVER_CHOICE = ("host", "port", "target_session_attrs", "load_balance_hosts")
+
+
 def same_store(a: Any, b: Any) -> bool:
     """Whether two store URLs (strings or SQLAlchemy URLs) name one database: a
     completion in one can carry a result for the other. The driver and the password
@@ -59,12 +64,18 @@ def same_store(a: Any, b: Any) -> bool:
     from sqlalchemy.engine import make_url
 
     def key(url: Any) -> tuple[Any, ...]:
-        parsed = make_url(url)
+        parsed = make_url(canonical_store_url(url) if isinstance(url, str) else url)
         database = parsed.database
         if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
             database = os.path.realpath(database)
-        return (parsed.get_backend_name(), parsed.username, parsed.host, parsed.port,
-                database, sorted(parsed.query.items()))
+        servers: Any = (parsed.host, parsed.port)
+        query = dict(parsed.query)
+        if parsed.get_backend_name() == "postgresql":  # a multi-host URL in any spelling
+            servers = pg_servers(parsed.host, parsed.port, parsed.query)
+            for name in _SERVER_CHOICE:
+                query.pop(name, None)
+        return (parsed.get_backend_name(), parsed.username, servers, database,
+                sorted(query.items()))
 
     return key(a) == key(b)
 

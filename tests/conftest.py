@@ -13,6 +13,7 @@ from celery_pulse.store.sql import SqlStore
 from tests.helpers import services
 from tests.helpers.mariadb import PRIVATE_SERVERS, Database, PrivateMariaDB, PrivateServer
 from tests.helpers.pg import PrivatePostgres, Schema
+from tests.helpers.pg_ha import ReplicatedPostgres
 from tests.helpers.stores import migrated
 from tests.helpers.workers import Env, Worker
 
@@ -136,6 +137,17 @@ def private_pg() -> Iterator[PrivatePostgres]:
         yield server
     finally:
         server.destroy()
+
+
+@pytest.fixture
+def replicated_pg() -> Iterator[ReplicatedPostgres]:
+    """A private primary streaming to a synchronous standby; both destroyed after."""
+    services.require("postgres")
+    pair = ReplicatedPostgres()
+    try:
+        yield pair.start()
+    finally:
+        pair.destroy()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from celery_pulse.errors import PulseError
 from celery_pulse.settings import Settings, refuse_unknown_task_options
 from celery_pulse.store.sql import open_store
 from celery_pulse.store.sql.engine import EngineOptions
+from celery_pulse.store.sql.replication import check_replication
 from celery_pulse.worker.exit_codes import EXIT_CONFIG, EXIT_IDENTITY_LOST
 from celery_pulse.worker.permits import PermitRules
 from celery_pulse.worker.pool_controls import refuse_autoscale
@@ -119,6 +120,7 @@ class Runtime(bootsteps.StartStopStep):
                 # Asked now, while the store answers: the intake reads it on the event
                 # loop for every delivery, where a store call must not block.
                 store.max_message_bytes()
+                check_replication(store.engine)  # warns of a standby commits don't wait for
         except PulseError as exc:
             # Logging may not be set up yet: one plain line on stderr, no traceback.
             print(f"celery-pulse: cannot start: {exc}", file=sys.stderr, flush=True)

@@ -91,7 +91,7 @@ def _body(task: Any, seconds: float, marks: bool = False) -> str:
     deadline = time.monotonic() + seconds
     next_mark = time.monotonic() + HELD_EVERY
     while time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         if marks and time.monotonic() >= next_mark:
             mark("held")
             next_mark = time.monotonic() + HELD_EVERY
@@ -108,8 +108,12 @@ def _body(task: Any, seconds: float, marks: bool = False) -> str:
     except LeaseLost:
         mark("fence_rejected")
         raise
-    except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
-        # The store is down (nemesis): try again later under a new reservation.
+    except sa.exc.DBAPIError as exc:
+        # The store is down (nemesis), or read-only after a failover (the connection
+        # invalidated): try again later under a new reservation.
+        if not (isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError))
+                or exc.connection_invalidated):
+            raise
         raise task.retry(exc=exc, countdown=1, max_retries=20) from exc
     mark("end")  # only after the fenced block committed
     return task_id
@@ -122,6 +126,18 @@ def short(self: Any) -> str:
 
 @app.task(bind=True, acks_late=True, name="faultapp.long")
 def long(self: Any, seconds: float) -> str:
+    return _body(self, seconds)
+
+
+@app.task(bind=True, acks_late=True, name="faultapp.quick")
+def quick(self: Any, seconds: float = 0.0) -> str:
+    """A no-op (0 s) or a few milliseconds of work, and the fenced effect."""
+    return _body(self, seconds)
+
+
+@app.task(bind=True, acks_late=False, name="faultapp.quick_review")
+def quick_review(self: Any, seconds: float = 0.0) -> str:
+    """:func:`quick` acknowledged early (a lost run goes to review, never re-run)."""
     return _body(self, seconds)
 
 

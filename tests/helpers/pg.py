@@ -13,10 +13,10 @@ import time
 
 from celery_pulse.contrib.services import Schema, schema_url
 
-__all__ = ["PrivatePostgres", "Schema", "schema_url"]
+__all__ = ["PrivatePostgres", "Schema", "pg_bin", "schema_url"]
 
 
-def _pg_bin(name: str) -> str:
+def pg_bin(name: str) -> str:
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     if found:
         return found[-1]
@@ -54,18 +54,18 @@ class PrivatePostgres:
             shutil.chown(self.dir, "postgres", "postgres")
             self._as_user = ["runuser", "-u", "postgres", "--"]
 
-    def _run(self, *args: str) -> None:
+    def run(self, *args: str) -> None:
         subprocess.run([*self._as_user, *args], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, timeout=60)
 
     def init(self) -> PrivatePostgres:
-        self._run(_pg_bin("initdb"), "-D", self.data, "-A", "trust", "-U", "postgres",
+        self.run(pg_bin("initdb"), "-D", self.data, "-A", "trust", "-U", "postgres",
                   "--no-sync", "-E", "UTF8")
         return self.start()
 
     def start(self) -> PrivatePostgres:
         options = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
-        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-t", "30", "-l",
+        self.run(pg_bin("pg_ctl"), "-D", self.data, "-w", "-t", "30", "-l",
                   os.path.join(self.dir, "server.log"), "-o",
                   f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 {options}",
                   "start")
@@ -83,7 +83,7 @@ class PrivatePostgres:
             return int(fh.readline())
 
     def stop(self) -> None:
-        self._run(_pg_bin("pg_ctl"), "-D", self.data, "-w", "-m", "immediate", "stop")
+        self.run(pg_bin("pg_ctl"), "-D", self.data, "-w", "-m", "immediate", "stop")
 
     def destroy(self) -> None:
         with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):

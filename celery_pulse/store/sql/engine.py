@@ -22,6 +22,7 @@ from sqlalchemy.engine import make_url
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.settings import Settings
 from celery_pulse.store.sql import sizing
+from celery_pulse.store.sql.errors import failover_error
 from celery_pulse.store.sql.pooler import OPTION as POOLER_OPTION
 from celery_pulse.store.sql.pooler import Pooler, pooled_transactions
 from celery_pulse.store_urls import canonical_store_url
@@ -95,7 +96,24 @@ def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
                         f"{IDLE_IN_TRANSACTION_S * 1000}")
         dbapi_conn.commit()
 
+    drop_on_failover(engine)
     return engine
+
+
+def drop_on_failover(engine: sa.Engine) -> None:
+    """Treat an error that says "not the primary" as a lost connection: SQLAlchemy then
+    discards the connection and every other pooled one (they reach the same server), so
+    the next checkout connects afresh and libpq's ``target_session_attrs=read-write``
+    finds the new primary of a multi-host URL. A read-only server's sessions would
+    otherwise stay in the pool, every write refused, for as long as it lives.
+    Idempotent: ``lease.fenced()`` also installs it on the application's engine."""
+    if not sa.event.contains(engine, "handle_error", _failover_is_disconnect):
+        sa.event.listen(engine, "handle_error", _failover_is_disconnect)
+
+
+def _failover_is_disconnect(context: Any) -> None:
+    if failover_error(context.original_exception):
+        context.is_disconnect = True
 
 
 #: MySQL/MariaDB drivers pulse accepts, by SQLAlchemy driver name: the module each needs

@@ -20,6 +20,23 @@ _UNWRITABLE_MARKERS = ("read-only", "readonly", "read only", "disk full", "diskf
 CONTENTION_CODES = (1213, 1205)
 #: PostgreSQL: deadlock detected, serialization failure. Rolled back, safe to run again.
 _PG_CONTENTION = ("40P01", "40001")
+#: SQLSTATEs that say this server is no longer the read-write primary, or is going
+#: away: read-only (a demoted primary, a standby), admin shutdown, crash shutdown,
+#: cannot connect now (starting up, or in recovery).
+FAILOVER_SQLSTATES = ("25006", "57P01", "57P02", "57P03")
+
+
+def failover_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or the driver error behind it) is one of
+    :data:`FAILOVER_SQLSTATES`: this server is no longer the one to write to."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if getattr(exc, "sqlstate", None) in FAILOVER_SQLSTATES:
+            return True
+        exc, seen = getattr(exc, "orig", None) or exc.__cause__, seen + 1
+    return False
+
+
 #: MySQL/MariaDB: no such table.
 _NO_TABLE_CODE = 1146
 #: MySQL/MariaDB errors about the values sent, not the store: a statement over
@@ -80,7 +97,8 @@ def translate(orig: BaseException, where: str, lost_connection: bool) -> Excepti
     first_line = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
     if "syntax error" in text or "no such column" in text:
         return None  # SQLite reports these as OperationalError: a bug, not an outage
-    if lost_connection or any(m in text for m in _UNWRITABLE_MARKERS):
+    if lost_connection or getattr(orig, "sqlstate", None) in FAILOVER_SQLSTATES or any(
+            m in text for m in _UNWRITABLE_MARKERS):
         return StoreUnavailable(f"store unavailable during {where}: {first_line}")
     return None
 

@@ -27,24 +27,33 @@ from celery_pulse.errors import InvalidConfig
 from celery_pulse.lease import Lease
 from celery_pulse.store.base import LIVE_STATES
 from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.engine import drop_on_failover
 from celery_pulse.store.sql.tables import claims
+from celery_pulse.store_urls import canonical_store_url, pg_servers
 
 
-def _identity(url: sa.URL) -> tuple[str, str | None, int | None, str | None]:
+def identity(url: sa.URL) -> tuple[str, tuple[tuple[str, str], ...], str | None]:
+    """The database a URL names: its family, its servers (every host of a multi-host
+    PostgreSQL URL, in any spelling: a failover changes which one answers, not the
+    database) and its name."""
     database = url.database
     backend = url.get_backend_name()
     if backend == "sqlite" and database:
         database = os.path.realpath(database)
     if backend == "mariadb":  # the same server family whichever name the URL uses
         backend = "mysql"
-    return (backend, url.host, url.port, database)
+    if backend == "postgresql":
+        servers = pg_servers(url.host, url.port, url.query)
+    else:
+        servers = ((url.host or "", str(url.port or "")),)
+    return (backend, servers, database)
 
 
 def make_fencer(store_url: str, ttl: float, pooler_mode: Callable[[], str] | None = None
                 ) -> Callable[[Lease, Any], Any]:
     """A fencer bound to the store at ``store_url`` (the pool child builds one);
     ``pooler_mode`` tells the store's pooler mode (:mod:`.pooler`)."""
-    expected = _identity(make_url(store_url))
+    expected = identity(make_url(canonical_store_url(store_url)))
 
     @contextmanager
     def fenced(lease: Lease, target: Any) -> Iterator[Any]:
@@ -67,10 +76,14 @@ def make_fencer(store_url: str, ttl: float, pooler_mode: Callable[[], str] | Non
                 _restore(conn, saved)
 
     def _check_database(conn: sa.Connection) -> None:
-        if _identity(conn.engine.url) != expected:
+        if identity(conn.engine.url) != expected:
             raise InvalidConfig(
                 "lease.fenced() needs a connection to the pulse store's database; for "
                 "another resource use lease.check() and the (task_id, epoch) token")
+        if conn.dialect.name == "postgresql":
+            # The application's engine reaches the store's servers: after a failover
+            # its pool must leave the old primary as pulse's own does.
+            drop_on_failover(conn.engine)
 
     def _guard(conn: sa.Connection, lease: Lease) -> dict[str, Any]:
         """Lock the claim row if the lease holds; returns session settings to restore."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
 from celery_pulse.store.rules import decide_permits
 from celery_pulse.store.sql import pooler
@@ -261,11 +262,33 @@ def start_limited(conns: Connections, pipeline: Pipeline | None, holder: str,
 CHANNEL = "pulse_permits"
 
 
+#: Seconds between two checks that the listening connection's server is still the
+#: read-write primary (a demoted primary that stays up keeps its sessions).
+PRIMARY_CHECK_S = 5.0
+
+
 class Signals:
-    """PostgreSQL ``LISTEN``/``NOTIFY`` on :data:`CHANNEL`, on one connection of its own."""
+    """PostgreSQL ``LISTEN``/``NOTIFY`` on :data:`CHANNEL`, on one connection of its own.
+
+    Every :data:`PRIMARY_CHECK_S` it asks whether its server still takes writes: after
+    a failover the other workers notify on the new primary, so a connection left on the
+    old one (now read-only, or a standby) would hear nothing for as long as it lives.
+    It raises StoreUnavailable instead, and the caller reconnects (to whichever host
+    of a multi-host URL is read-write)."""
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        self._checked = time.monotonic()
+
+    def _check_primary(self) -> None:
+        if time.monotonic() - self._checked < PRIMARY_CHECK_S:
+            return
+        self._checked = time.monotonic()
+        row = self._conn.execute("SELECT pg_is_in_recovery() OR "
+                                 "current_setting('transaction_read_only') = 'on'").fetchone()
+        if row and row[0]:
+            raise StoreUnavailable("permit signals: the server is read-only now (a "
+                                   "failover?); listening again on the primary")
 
     def send(self, keys: Sequence[str]) -> None:
         with driver_translated("permit signal"):
@@ -276,6 +299,7 @@ class Signals:
         end = time.monotonic() + max(0.0, timeout)
         keys: set[str] = set()
         with driver_translated("permit signal"):
+            self._check_primary()
             while not keys and (left := end - time.monotonic()) > 0:
                 keys.update(n.payload for n in self._conn.notifies(timeout=left, stop_after=1))
             # ... and whatever else already arrived

@@ -27,7 +27,7 @@ from psycopg.adapt import PyFormat, Transformer
 
 from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.sql import pooler
-from celery_pulse.store.sql.errors import driver_translated, translated
+from celery_pulse.store.sql.errors import driver_translated, failover_error, translated
 from celery_pulse.store.sql.libpq_io import SocketCalls
 
 #: Prepared statements kept per connection (psycopg's own default), least recently used
@@ -113,8 +113,8 @@ class Pipeline:
                 conn = self._connection()
                 ours, new = self._queue(conn, statements)
                 flight = InFlight(self, where, conn, ours, new)
-        except BaseException:
-            self.close()  # a failed pipeline leaves the connection unusable
+        except BaseException as exc:
+            self.failed(exc)
             self._lock.release()
             raise
         return flight
@@ -174,8 +174,8 @@ class Pipeline:
                         pipe.sync()
                         cursors = self._send(conn, then([_rows(c) for c in cursors]), prepare)
                     return [_rows(cursor) for cursor in cursors]
-            except BaseException:
-                self.close()
+            except BaseException as exc:
+                self.failed(exc)
                 raise
 
     @staticmethod
@@ -187,6 +187,15 @@ class Pipeline:
             cursor.execute(sql, params, prepare=prepare)
             cursors.append(cursor)
         return cursors
+
+    def failed(self, exc: BaseException) -> None:
+        """A failed pipeline leaves the connection unusable: close it. If the server
+        said it is no longer the primary (read-only, shutting down), the engine's pooled
+        connections reach it too: the pool is replaced, so that every connection is
+        made afresh, to whichever host of the URL is read-write now."""
+        self.close()
+        if failover_error(exc):
+            self.engine.dispose()
 
     def close(self) -> None:
         conn, self._raw, self._conn = self._conn, None, None
@@ -250,8 +259,8 @@ class InFlight:
         try:
             with translated(self.where), driver_translated(self.where):
                 yield
-        except BaseException:
-            self._fail()
+        except BaseException as exc:
+            self._fail(exc)
             raise
 
     def _read(self) -> None:
@@ -322,8 +331,11 @@ class InFlight:
         if not self._ended:
             self._fail()
 
-    def _fail(self) -> None:
-        self.pipeline.close()  # a failed pipeline leaves the connection unusable
+    def _fail(self, exc: BaseException | None = None) -> None:
+        if exc is None:
+            self.pipeline.close()  # a failed pipeline leaves the connection unusable
+        else:
+            self.pipeline.failed(exc)
         self._end()
 
     def _end(self) -> None:
