@@ -94,13 +94,17 @@ def of(engine: Any) -> Pooler | None:
 
 
 def mode_of(engine: Any) -> str:
-    """The pooler mode of ``engine``, connecting once if it is not known yet."""
+    """The pooler mode of ``engine``, connecting once if it is not known yet.
+
+    That connection is closed, not pooled: a pool child asks only for ``lease.fenced()``
+    and may never use its store again, and an idle session it kept would stay on a
+    demoted primary after a failover (no error ever reaches it to drop it)."""
     pooler = of(engine)
     if pooler is None:
         return "none"
     if pooler.mode is None:
-        with engine.connect():
-            pass
+        with engine.connect() as conn:
+            conn.invalidate()
     return pooler.mode or "none"
 
 
