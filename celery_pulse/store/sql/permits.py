@@ -312,11 +312,9 @@ def signals(engine: sa.Engine) -> Iterator[Signals]:
     """A connection LISTENing on :data:`CHANNEL`: a direct one to
     ``pulse_store_listen_url`` when set, else one out of the pool (never back)."""
     with driver_translated("permit signal"):
-        direct = pooler.direct_listener(engine)
+        direct = pooler.direct_listener(engine, CHANNEL)
     if direct is not None:
         try:
-            with driver_translated("permit signal"):
-                direct.execute(f"LISTEN {CHANNEL}")
             yield Signals(direct)
         finally:
             direct.close()

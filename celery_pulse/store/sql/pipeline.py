@@ -35,8 +35,6 @@ from celery_pulse.store.sql.libpq_io import SocketCalls
 PREPARED_MAX = 100
 
 _OK = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
-#: The transaction's own idle cap, under a transaction pooler (see :mod:`.pooler`).
-_CAP = "SELECT set_config('idle_in_transaction_session_timeout', %s, true)"
 
 
 class Pipeline:
@@ -73,7 +71,7 @@ class Pipeline:
             self._prepared.clear()
             found = pooler.of(self.engine)
             self.unnamed = found is not None and found.transaction
-            self._cap = ([(_CAP, (str(found.idle_ms),))]
+            self._cap = ([(pooler.IDLE_CAP_SQL, (str(found.idle_ms),))]
                          if found is not None and found.per_transaction_timeout else [])
             self._poll = select.poll()
             self._poll.register(conn.pgconn.socket, select.POLLIN)
@@ -188,7 +186,7 @@ class Pipeline:
             cursors.append(cursor)
         return cursors
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException | None) -> None:
         """A failed pipeline leaves the connection unusable: close it. If the server
         said it is no longer the primary (read-only, shutting down), the engine's pooled
         connections reach it too: the pool is replaced, so that every connection is
@@ -332,10 +330,7 @@ class InFlight:
             self._fail()
 
     def _fail(self, exc: BaseException | None = None) -> None:
-        if exc is None:
-            self.pipeline.close()  # a failed pipeline leaves the connection unusable
-        else:
-            self.pipeline.failed(exc)
+        self.pipeline.failed(exc)  # a failed pipeline leaves the connection unusable
         self._end()
 
     def _end(self) -> None:

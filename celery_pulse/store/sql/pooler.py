@@ -38,6 +38,9 @@ MODES = ("auto", "none", "session", "transaction")
 OPTION = "pulse_pooler"
 #: The longest one detection probe (a connect, a statement) may take.
 PROBE_TIMEOUT_S = 3.0
+#: A transaction's own idle cap (``SET LOCAL``), its one parameter in milliseconds: the
+#: engine's transactions and the hot path's pipeline both send it.
+IDLE_CAP_SQL = "SELECT set_config('idle_in_transaction_session_timeout', %s, true)"
 
 
 def check_mode(value: str) -> str:
@@ -207,8 +210,7 @@ def pooled_transactions(engine: Any, pooler: Pooler, idle_s: int) -> None:
             return
         driver = conn.connection.driver_connection
         if not driver.autocommit:  # AUTOCOMMIT connections have no transaction to cap
-            driver.execute("SELECT set_config('idle_in_transaction_session_timeout', %s, "
-                           "true)", (str(pooler.idle_ms),), prepare=False)
+            driver.execute(IDLE_CAP_SQL, (str(pooler.idle_ms),), prepare=False)
 
 
 
@@ -219,9 +221,9 @@ def listens(engine: Any) -> bool:
     return pooler is None or pooler.listen_url is not None or mode_of(engine) != "transaction"
 
 
-def direct_listener(engine: Any) -> Any:
-    """A direct connection (psycopg, autocommit) to ``pulse_store_listen_url`` to LISTEN
-    on, the caller's to close; None when the setting is not given."""
+def direct_listener(engine: Any, channel: str) -> Any:
+    """A direct connection (psycopg, autocommit) to ``pulse_store_listen_url``, LISTENing
+    on ``channel``, the caller's to close; None when the setting is not given."""
     pooler = of(engine)
     if pooler is None or pooler.listen_url is None:
         return None
@@ -231,5 +233,11 @@ def direct_listener(engine: Any) -> Any:
     from celery_pulse.store_urls import canonical_store_url
 
     url = make_url(canonical_store_url(pooler.listen_url)).set(drivername="postgresql")
-    return psycopg.Connection.connect(url.render_as_string(hide_password=False),
+    conn = psycopg.Connection.connect(url.render_as_string(hide_password=False),
                                       autocommit=True, connect_timeout=5)
+    try:
+        conn.execute(f"LISTEN {channel}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn

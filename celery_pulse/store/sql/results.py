@@ -146,11 +146,9 @@ class ResultRows:
             yield Watch(set(keys))  # polls (docs/production.md#pgbouncer)
             return
         with translated("result watch"), driver_translated("result watch"):
-            direct = pooler.direct_listener(self.engine)
+            direct = pooler.direct_listener(self.engine, CHANNEL)
         if direct is not None:
             try:
-                with driver_translated("result watch"):
-                    direct.execute(f"LISTEN {CHANNEL}")
                 yield Watch(set(keys), direct)
             finally:
                 direct.close()
