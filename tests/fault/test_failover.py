@@ -25,7 +25,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,7 +34,6 @@ import sqlalchemy as sa
 from celery_pulse.store.sql.tables import permit_holds
 from tests.fault.checker import ClaimState, Event, PermitHold, check
 from tests.helpers import services
-from tests.helpers.pg import Schema
 from tests.helpers.pg_ha import ReplicatedPostgres
 from tests.helpers.workers import Env, Worker, assert_alive, wait_alive
 
@@ -67,22 +66,6 @@ MIX: list[tuple[str, int, tuple[float, float]]] = [
 #: Client sessions on a server other than the one asking.
 OTHER_SESSIONS = ("select count(*) from pg_stat_activity where backend_type = 'client backend' "
                   "and pid <> pg_backend_pid()")
-
-
-@pytest.fixture
-def history() -> Iterator[str]:
-    services.require("postgres")
-    schema = Schema(services.PG_ADMIN_URL, prefix=services.SCHEMA_PREFIX).create()
-    engine = sa.create_engine(schema.url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("create table fault_events (id bigserial primary key, kind text, "
-                             "task_id text, epoch bigint, worker text, pid int, "
-                             "at timestamptz, extra text, name text, attempt text)"))
-    engine.dispose()
-    try:
-        yield schema.url
-    finally:
-        schema.drop()
 
 
 def _publish(env: Env, seed: int, tasks: int) -> list[str]:

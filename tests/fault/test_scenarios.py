@@ -31,7 +31,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -43,7 +43,6 @@ from tests.fault.checker import ClaimState, Event, PermitHold, Report, check, gh
 from tests.fault.nemesis import Cluster, Nemesis, PrivateRedis, rabbit_fault, redis_fault
 from tests.helpers import services
 from tests.helpers.mariadb import PRIVATE_SERVERS, PrivateServer
-from tests.helpers.pg import Schema
 from tests.helpers.workers import Env, Worker, wait_for
 
 DURATION = float(os.environ.get("PULSE_FAULT_DURATION", "24"))
@@ -61,23 +60,6 @@ SETTLE = 180.0
 #: The limited kind and its limit (``pulse_concurrency`` in tests/apps/faultapp.py).
 LIMITED = "faultapp.limited"
 LIMITS = {LIMITED: 2}
-
-
-@pytest.fixture
-def history() -> Iterator[str]:
-    services.require("postgres")
-    schema = Schema(services.PG_ADMIN_URL, prefix=services.SCHEMA_PREFIX).create()
-    engine = sa.create_engine(schema.url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("create table fault_events (id bigserial primary key, kind text, "
-                             "task_id text, epoch bigint, worker text, pid int, "
-                             "at timestamptz, extra text, name text, attempt text)"))
-        conn.execute(sa.text("create index on fault_events (attempt)"))
-    engine.dispose()
-    try:
-        yield schema.url
-    finally:
-        schema.drop()
 
 
 def _seed() -> int:
