@@ -79,7 +79,8 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                                         read_idle=read_idle), store=store,
                           app=ctx.obj.app, on_lost=settings.on_lost,
                           max_attempts=settings.max_attempts,
-                          events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3))
+                          events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3),
+                          state=store.gateway_state)
         # Recover runs here too: a cluster of gateway workers alone still has its expired
         # claims taken over (retention stays with the direct workers' leader).
         recoverer = Recoverer(
@@ -94,6 +95,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             beats = asyncio.ensure_future(gateway.heartbeats())
+            watch = asyncio.ensure_future(gateway.watch_sessions())
             async with await gateway.serve(host.strip("[]"), int(port_text), tls) as server:
                 ports = sorted({s.getsockname()[1] for s in server.sockets})
                 click.echo(f"pulse gateway: serving pulse.worker.v1 on "
@@ -105,6 +107,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                 await stop.wait()
                 click.echo("pulse gateway: stopping (closing connections)", err=True)
             beats.cancel()
+            watch.cancel()
 
         recoverer.start()
         try:

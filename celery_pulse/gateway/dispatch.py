@@ -21,6 +21,7 @@ The rules, before any code:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -77,11 +78,12 @@ class Feeder(threading.Thread):
 
     def __init__(self, app: Any, store: Store, holder: str, queue: str, *, lease_ttl: float,
                  on_lost: str | None, max_attempts: int, free: Callable[[], int],
-                 on_assign: Callable[[Assignment], None]) -> None:
+                 on_assign: Callable[[Assignment], None],
+                 record: Callable[[Attempt], None] | None = None) -> None:
         super().__init__(name=f"pulse-gateway-feeder-{queue}", daemon=True)
         self.app, self.store, self.holder, self.queue = app, store, holder, queue
         self.lease_ttl, self.on_lost, self.max_attempts = lease_ttl, on_lost, max_attempts
-        self.free, self.on_assign = free, on_assign
+        self.free, self.on_assign, self.record = free, on_assign, record
         self._stop = threading.Event()
         self._room = threading.Event()
 
@@ -162,7 +164,21 @@ class Feeder(threading.Thread):
             return
         attempt = Attempt(task_id, wire_task_id(task_id), new_id(), answer.epoch, answer.token,
                           name, answer.lease_until, sent + self.lease_ttl)
+        if self.record is not None:
+            try:  # before it is sent: any gateway must know the attempt it names
+                self.record(attempt)
+            except PulseError as exc:
+                logger.warning("pulse gateway: could not record the attempt of %s[%s] (%s); "
+                               "released for Recover", name, task_id, exc)
+                self._release(attempt)
+                return
         self.on_assign(Assignment(attempt, request.message))
+
+    def _release(self, attempt: Attempt) -> None:
+        """Hand a grant never sent back to Recover now, rather than at its expiry."""
+        with contextlib.suppress(PulseError):  # else its lease expires, Recover takes it
+            self.store.release(self.holder, [(attempt.task_id, attempt.epoch, attempt.token)],
+                               never_ran=True)
 
 
 class Fenced:

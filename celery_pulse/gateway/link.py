@@ -49,6 +49,9 @@ class Limits:
     session_ttl: float = 45.0
     #: The longest execution lease the gateway grants (the seed's 30 s).
     lease_ttl: float = 30.0
+    #: How often a gateway asks the store whether its sessions are still current (one
+    #: replaced on another gateway is closed within this).
+    session_check: float = 1.0
 
 
 class Closing(Exception):

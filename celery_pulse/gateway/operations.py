@@ -41,9 +41,19 @@ from celery_pulse.gateway.receipts import (
     timestamp,
     welcome_body,
 )
-from celery_pulse.gateway.session import FINISHED, LEASED, RUNNING, Attempt, Instance, Session
+from celery_pulse.gateway.session import (
+    ATTEMPTS_KEPT,
+    FINISHED,
+    LEASED,
+    RUNNING,
+    Attempt,
+    Instance,
+    Session,
+    matches,
+)
 from celery_pulse.store.base import Store
-from celery_pulse.store.credentials import Forbidden, Unauthenticated
+from celery_pulse.store.credentials import Forbidden, Unauthenticated, digest
+from celery_pulse.store.gateway_state import AttemptRecord, GatewayState
 
 # The server's log lines keep the server's logger name, wherever their code lives.
 logger = logging.getLogger("celery_pulse.gateway.server")
@@ -56,7 +66,9 @@ class Operations:
 
     def __init__(self, now: Callable[[], float], limits: Limits, *, store: Store | None,
                  app: Any, on_lost: str | None, max_attempts: int, name: str | None,
-                 events: GatewayEvents | None) -> None:
+                 events: GatewayEvents | None, state: GatewayState | None = None) -> None:
+        #: Sessions and attempts every gateway process shares (None: this one's only).
+        self.state = state
         #: The store's clock (``server_time``, ``expires_at``): never this host's.
         self.now = now
         self.limits = limits
@@ -86,6 +98,11 @@ class Operations:
             update: frames.CapacityUpdate = frame.body
             before = instance.capacity.drain
             declared = instance.declare(update.sequence, update.capacity, update.drain)
+            if self.state is not None and not await self._store(
+                    self.state.declare, instance.instance_id, session.epoch,
+                    declared.sequence, declared.capacity, declared.drain):
+                raise ProtocolError(Code.SESSION_MISMATCH,
+                                    "a newer session of this instance replaced this one")
             if declared.drain and not before and self.presence is not None:
                 self.presence.drain(self._holders[instance.instance_id],
                                     self._drain_requester(instance))
@@ -94,20 +111,22 @@ class Operations:
         fenced = self._fenced(instance)
         if frame.type == "task.finish":
             finish: frames.Finish = frame.body
-            attempt = instance.attempt(*attempt_key(finish.ref))
+            attempt = await self._find(instance, finish.ref)
             answer, written = await self._store(self.results.settle, fenced, attempt, finish)
             attempt.state = FINISHED
             feeder = self._feeders.get(instance.instance_id)
             if feeder is not None:
                 feeder.room()
-            if answer == "applied":
-                if not written:
-                    await self._write_result(attempt, finish)
-                if self.events is not None:
-                    self._spawn(self.events.send(
-                        "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
-                        self._holders[instance.instance_id], uuid=attempt.task_id,
-                        exception=finish.error_code or "", result=""))
+            if answer in ("applied", "duplicate") and not written:
+                # A duplicate is this attempt's own finish sent again (same epoch, same
+                # outcome): the gateway that applied it may have died before the result
+                # reached the backend. Writing it again is idempotent.
+                await self._write_result(attempt, finish)
+            if answer == "applied" and self.events is not None:
+                self._spawn(self.events.send(
+                    "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
+                    self._holders[instance.instance_id], uuid=attempt.task_id,
+                    exception=finish.error_code or "", result=""))
             now = await self._store(self.now)
             state = {"applied": OUTCOME_STATES[finish.outcome],
                      "duplicate": OUTCOME_STATES[finish.outcome]}.get(answer, "UNKNOWN")
@@ -116,7 +135,7 @@ class Operations:
                                   {"active": False, "state": state, "lease_until": None,
                                    "server_time": timestamp(now)})
         ref: frames.AttemptRef = frame.body
-        attempt = instance.attempt(*attempt_key(ref))
+        attempt = await self._find(instance, ref)
         if attempt.state == FINISHED:
             raise ProtocolError(Code.LEASE_LOST, "this attempt has finished")
         if frame.type == "worker.resume":
@@ -126,7 +145,15 @@ class Operations:
             return {"lease": lease, "deduplicated": False}
         sent = time.monotonic()
         if frame.type == "task.start":
-            lease_until = await self._store(fenced.start, attempt)
+            lease_until = None
+            if attempt.state == LEASED:
+                lease_until = await self._store(fenced.start, attempt)
+            if lease_until is None:
+                # Started already (the start's answer was lost, maybe with the gateway
+                # that applied it): the same answer, from the store's lease.
+                held = await self._store(fenced.status, attempt)
+                if held is not None and held[0] == "running":
+                    lease_until = held[1]
             if lease_until is None:
                 attempt.state = FINISHED
                 raise ProtocolError(Code.LEASE_LOST,
@@ -160,7 +187,7 @@ class Operations:
         """The attempt's lease as the store has it now (``active`` false when lost)."""
         body = frame.body
         ref = body.ref if isinstance(body, frames.Finish) else body
-        attempt = instance.attempt(*attempt_key(ref))
+        attempt = await self._find(instance, ref)
         now = await self._store(self.now)
         held = await self._store(self._fenced(instance).status, attempt)
         if held is None:
@@ -181,6 +208,60 @@ class Operations:
         except ProtocolError as exc:  # the claim is settled; the result is lost, say so
             logger.warning("pulse gateway: result of %s[%s] not stored: %s",
                            attempt.task_name, attempt.task_id, exc.message)
+
+    async def _find(self, instance: Instance, ref: frames.AttemptRef) -> Attempt:
+        """The attempt ``ref`` names: this gateway's, or (assigned by another gateway, or
+        by this one before a restart) the store's record, checked against the frame's
+        secret and the claim; ``NOT_FOUND`` otherwise."""
+        key = attempt_key(ref)
+        try:
+            return instance.attempt(*key)
+        except ProtocolError:
+            if self.state is None or self.store is None:
+                raise
+        wire_id, attempt_id, epoch, secret = key
+        record = await self._store(self.state.find_attempt, attempt_id)
+        if record is None or record.instance_id != instance.instance_id:
+            raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
+        found = _adopted(record, time.monotonic() + self.limits.lease_ttl)
+        if not matches(found, wire_id, epoch, secret):
+            raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
+        found.token = secret
+        held = await self._store(self._fenced(instance).status, found)
+        if held is None:
+            found.state = FINISHED  # ended, or lost: the store says which when asked
+        else:
+            found.state = RUNNING if held[0] == "running" else LEASED
+            found.lease_until = held[1]
+        instance.adopt([found])
+        return instance.attempt(*key)
+
+    async def _adopt_live(self, instance: Instance) -> None:
+        """A new session counts the attempts its instance holds in the store, wherever
+        they were assigned: capacity is the instance's, not one gateway's."""
+        if self.state is None:
+            return
+        live = await self._store(self.state.live_attempts, instance.instance_id,
+                                 self._holders[instance.instance_id])
+        deadline = time.monotonic() + self.limits.lease_ttl
+        adopted = []
+        for record, state in live[:ATTEMPTS_KEPT]:
+            attempt = _adopted(record, deadline)
+            attempt.state = RUNNING if state == "running" else LEASED
+            adopted.append(attempt)
+        instance.adopt(adopted, live={a.attempt_id for a in adopted})
+
+    def _recorder(self, instance: Instance) -> Callable[[Attempt], None] | None:
+        """What the feeder calls (in its thread) before an assignment is sent."""
+        state = self.state
+        if state is None:
+            return None
+
+        def record(attempt: Attempt) -> None:
+            state.record_attempt(AttemptRecord(
+                attempt.attempt_id, instance.instance_id, attempt.task_id,
+                attempt.wire_task_id, attempt.epoch, digest(attempt.token), attempt.task_name))
+        return record
 
     # -- dispatch ---------------------------------------------------------------------
     def _fenced(self, instance: Instance) -> Fenced:
@@ -208,7 +289,7 @@ class Operations:
         feeder = Feeder(self.app, self.store, self._holders[instance.instance_id],
                         instance.identity.queue_id, lease_ttl=self.limits.lease_ttl,
                         on_lost=self.on_lost, max_attempts=self.max_attempts, free=free,
-                        on_assign=on_assign)
+                        on_assign=on_assign, record=self._recorder(instance))
         self._feeders[instance.instance_id] = feeder
         feeder.start()
 
@@ -267,3 +348,9 @@ class Operations:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _adopted(record: AttemptRecord, deadline: float) -> Attempt:
+    """An attempt from its store record: its token unknown until a frame proves it."""
+    return Attempt(record.task_id, record.wire_task_id, record.attempt_id, record.epoch, "",
+                   record.task_name, 0.0, deadline, token_digest=record.token_digest)

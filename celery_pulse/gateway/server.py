@@ -75,6 +75,7 @@ from celery_pulse.store.credentials import (
     Forbidden,
     Unauthenticated,
 )
+from celery_pulse.store.gateway_state import GatewayState, IdentityChanged, Opened, identity_digest
 
 #: What ``celery pulse gateway`` and the tests import from here, wherever it lives now.
 __all__ = ["DISPOSITIONS", "OUTCOME_STATES", "PATH", "Gateway", "Limits", "Link",
@@ -83,6 +84,10 @@ __all__ = ["DISPOSITIONS", "OUTCOME_STATES", "PATH", "Gateway", "Limits", "Link"
 logger = logging.getLogger(__name__)
 
 PATH = "/v1/worker/connect"
+#: How often a gateway purges attempt records, and how long it keeps one whose claim no
+#: longer runs under it (a late frame naming it after that is NOT_FOUND).
+ATTEMPT_PURGE_EVERY = 600.0
+ATTEMPTS_RETAINED = 3600.0
 
 
 class Gateway(Operations):
@@ -92,12 +97,13 @@ class Gateway(Operations):
                  limits: Limits | None = None, lease_ttl: float | None = None,
                  store: Store | None = None, app: Any = None, on_lost: str | None = None,
                  max_attempts: int = 3, name: str | None = None,
-                 events: GatewayEvents | None = None) -> None:
+                 events: GatewayEvents | None = None, state: GatewayState | None = None
+                 ) -> None:
         limits = limits or Limits()
         if lease_ttl is not None:
             limits = dataclasses.replace(limits, lease_ttl=min(lease_ttl, limits.lease_ttl))
         super().__init__(now, limits, store=store, app=app, on_lost=on_lost,
-                         max_attempts=max_attempts, name=name, events=events)
+                         max_attempts=max_attempts, name=name, events=events, state=state)
         self.credentials = credentials
         self.sessions = Sessions(on_replaced=self._replaced)
         #: Credentials the handshake accepted, until their connection's handler takes
@@ -216,7 +222,10 @@ class Gateway(Operations):
                                          credential.credential_id, hello.instance_secret):
                     raise ProtocolError(Code.UNAUTHENTICATED,
                                         "this instance id belongs to another worker")
-                instance, session = self.sessions.hello(credential.credential_id, hello)
+                session_id = frames.new_id()
+                opened = await self._open(hello, session_id)
+                instance, session = self.sessions.hello(credential.credential_id, hello,
+                                                        session_id, opened)
             except ProtocolError as exc:
                 exc.reply_to = frame.message_id
                 fatal = exc.code in (Code.UNAUTHENTICATED, Code.FORBIDDEN)
@@ -227,6 +236,7 @@ class Gateway(Operations):
             self._links[session.session_id] = link
             self._holders[instance.instance_id] = holder_name(credential, instance.instance_id)
             try:
+                await self._adopt_live(instance)
                 body = await self._welcome(instance, session)
             except ProtocolError as exc:  # the store is out of reach: no session yet
                 instance.close(session)
@@ -327,6 +337,21 @@ class Gateway(Operations):
         except Forbidden as exc:
             raise ProtocolError(Code.FORBIDDEN, exc.message) from None
         return fresh
+    async def _open(self, hello: frames.Hello, session_id: str) -> Opened:
+        """The instance's next generation: the store's (every gateway sees it), or this
+        gateway's own without shared state."""
+        if self.state is None:
+            known = self.sessions.get(hello.instance_id)
+            return Opened((known.epoch if known is not None else 0) + 1)
+        try:
+            return await self._store(self.state.open_session, hello.instance_id, session_id,
+                                     self.name,
+                                     identity_digest(hello.queue_id, hello.capabilities))
+        except IdentityChanged:
+            raise ProtocolError(
+                Code.STATE_CONFLICT,
+                "a reconnect must keep its credential, queue and capabilities") from None
+
     def _replaced(self, previous: Session) -> None:
         link = self._links.pop(previous.session_id, None)
         if link is not None:
@@ -338,6 +363,38 @@ class Gateway(Operations):
                 link.close(CloseCode.POLICY_VIOLATION, "session replaced"))
 
     # -- running ----------------------------------------------------------------------
+    async def watch_sessions(self) -> None:
+        """End this gateway's sessions that a newer generation replaced on another
+        gateway (one statement for all, every ``session_check``), and purge old attempt
+        records now and then. Run it beside :meth:`serve`."""
+        if self.state is None:
+            return
+        purged_at = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.limits.session_check)
+            current = {i: inst.current for i in list(self._holders)
+                       if (inst := self.sessions.get(i)) is not None
+                       and inst.current is not None}
+            try:
+                generations = await self._store(self.state.generations, list(current))
+                if loop.time() - purged_at > ATTEMPT_PURGE_EVERY:
+                    purged_at = loop.time()
+                    now = await self._store(self.now)
+                    await self._store(self.state.purge_attempts, now - ATTEMPTS_RETAINED)
+            except ProtocolError as exc:
+                logger.warning("pulse gateway: could not check sessions: %s", exc.message)
+                continue
+            for instance_id, session in current.items():
+                if session is not None and generations.get(instance_id, 0) > session.epoch:
+                    logger.info("pulse gateway: session %s of %s replaced on another "
+                                "gateway", session.session_id, instance_id)
+                    known = self.sessions.get(instance_id)
+                    if known is not None:
+                        known.close(session)
+                    self._stop_feeding(instance_id)
+                    self._replaced(session)
+
     async def heartbeats(self) -> None:
         """``worker-heartbeat`` events for every instance with a current session, at the
         registry's beat (run it beside :meth:`serve` when events are on)."""

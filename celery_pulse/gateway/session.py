@@ -24,10 +24,11 @@ The rules, before any code:
   reply, marked ``deduplicated``; the same id with other content is
   ``IDEMPOTENCY_CONFLICT``. The memory of replies is bounded (oldest forgotten first).
 
-Everything here is one gateway's memory: instances are bound to the gateway they
-connect to (docs/gateway.md says what that means for several gateways). Only who owns
-an instance id is the store's (``CredentialStore.bind_instance``, checked by the server
-before a hello reaches :meth:`Sessions.hello`).
+This is one gateway's view; the store's is the truth every gateway shares
+(:mod:`celery_pulse.store.gateway_state`): who owns an instance id
+(``CredentialStore.bind_instance``), its generation, identity and capacity (the server
+opens the session there before :meth:`Sessions.hello`), and the attempts it was assigned
+(an attempt this gateway never saw is looked up there, :meth:`Instance.adopt`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from celery_pulse.gateway.frames import Code, Hello, ProtocolError, new_id
+from celery_pulse.gateway.frames import Code, Hello, ProtocolError
 from celery_pulse.store.credentials import digest
+from celery_pulse.store.gateway_state import Opened
 
 #: Replies remembered per instance for deduplication.
 REPLIES_KEPT = 4096
@@ -99,6 +101,9 @@ class Attempt:
     lease_until: float
     deadline: float
     state: str = LEASED
+    #: The token's digest, for an attempt adopted from the store before any frame
+    #: proved its token (``token`` is empty until then).
+    token_digest: str = ""
 
 
 @dataclasses.dataclass
@@ -127,10 +132,15 @@ class Instance:
         self._replies: OrderedDict[str, tuple[str, Mapping[str, Any]]] = OrderedDict()
         self._applying: dict[str, tuple[str, asyncio.Future[Any]]] = {}
 
-    def open(self, hello_capacity: int) -> Session:
-        """A new generation: the previous session (if any) stops being current."""
-        self.epoch += 1
-        self.current = Session(new_id(), self.instance_id, self.epoch, hello_capacity)
+    def open(self, session_id: str, hello_capacity: int, opened: Opened) -> Session:
+        """The generation the store just opened: the previous session (if any) stops
+        being current, and the capacity is the instance's as the store has it."""
+        self.epoch = opened.generation
+        self.current = Session(session_id, self.instance_id, self.epoch, hello_capacity)
+        if opened.capacity_sequence > self.capacity.sequence:
+            with self.lock:
+                self.capacity = CapacityState(opened.capacity_sequence, opened.capacity,
+                                              opened.drain, declared=self.capacity.declared)
         return self.current
 
     def is_current(self, session: Session) -> bool:
@@ -147,6 +157,9 @@ class Instance:
             if (capacity, drain) != (now.capacity, now.drain):
                 raise ProtocolError(Code.STATE_CONFLICT,
                                     "this capacity sequence was declared with other values")
+            if not now.declared:  # the store's, declared through another gateway
+                with self.lock:
+                    self.capacity = now = dataclasses.replace(now, declared=True)
             return now
         if sequence < now.sequence:
             raise ProtocolError(Code.STATE_CONFLICT,
@@ -180,10 +193,26 @@ class Instance:
         """The attempt a frame names, if it names it exactly (secret compared in constant
         time); ``NOT_FOUND`` otherwise, whichever part is wrong."""
         found = self.attempts.get(attempt_id)
-        if (found is None or found.wire_task_id != wire_task_id or found.epoch != epoch
-                or not hmac.compare_digest(found.token, secret)):
+        if found is None or not matches(found, wire_task_id, epoch, secret):
             raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
+        found.token = secret
         return found
+
+    def adopt(self, attempts: list[Attempt], live: set[str] | None = None) -> None:
+        """Attempts the store knows and this gateway may not (another gateway assigned
+        them): counted from now on. ``live``: every attempt id the store still holds for
+        the instance; a local one not among them has ended elsewhere."""
+        with self.lock:
+            for attempt in attempts:
+                known = self.attempts.get(attempt.attempt_id)
+                if known is None:
+                    self.attempts[attempt.attempt_id] = attempt
+                else:
+                    known.state = attempt.state
+            if live is not None:
+                for attempt_id, known in self.attempts.items():
+                    if known.state in LIVE and attempt_id not in live:
+                        known.state = FINISHED
 
     def replay(self, message_id: str, digest: str) -> Mapping[str, Any] | None:
         """The reply already given to ``message_id`` (None: a new operation)."""
@@ -229,6 +258,13 @@ class Instance:
             self._replies.popitem(last=False)
 
 
+def matches(attempt: Attempt, wire_task_id: str, epoch: int, secret: str) -> bool:
+    """Whether a frame's reference names ``attempt`` (its secret in constant time)."""
+    proof = (hmac.compare_digest(attempt.token, secret) if attempt.token
+             else hmac.compare_digest(attempt.token_digest, digest(secret)))
+    return attempt.wire_task_id == wire_task_id and attempt.epoch == epoch and proof
+
+
 class Sessions:
     """Every instance this gateway knows, and the hello that opens a session."""
 
@@ -236,8 +272,10 @@ class Sessions:
         self._instances: dict[str, Instance] = {}
         self._on_replaced = on_replaced
 
-    def hello(self, credential_id: str, hello: Hello) -> tuple[Instance, Session]:
-        """Open a session for ``hello`` (a new instance, or a reconnect of a known one)."""
+    def hello(self, credential_id: str, hello: Hello, session_id: str, opened: Opened
+              ) -> tuple[Instance, Session]:
+        """Open the session the store opened (``opened``) for ``hello`` here (a new
+        instance to this gateway, or a reconnect of a known one)."""
         identity = Identity.of(credential_id, hello)
         instance = self._instances.get(hello.instance_id)
         if instance is None:
@@ -250,7 +288,7 @@ class Sessions:
                 Code.STATE_CONFLICT,
                 "a reconnect must keep its credential, queue and capabilities")
         previous = instance.current
-        session = instance.open(hello.capacity)
+        session = instance.open(session_id, hello.capacity, opened)
         if previous is not None and self._on_replaced is not None:
             self._on_replaced(previous)
         return instance, session

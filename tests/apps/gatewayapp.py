@@ -82,3 +82,15 @@ def stubborn(marker: str, seconds: float) -> None:
                 fh.write("ignored\n")
     with open(marker, "a") as fh:
         fh.write("end\n")
+
+
+@app.task(name="gatewayapp.tally")
+def tally(folder: str, index: int, seconds: float) -> int:
+    """Records each run of ``index`` (one file per run: a run twice leaves two), then
+    works for ``seconds``."""
+    lease = current_lease()
+    assert lease is not None
+    with open(os.path.join(folder, f"{index}-{os.getpid()}-{lease.epoch}"), "w") as fh:
+        fh.write(f"{time.time()}\n")
+    time.sleep(seconds)
+    return index

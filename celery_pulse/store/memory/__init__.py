@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from celery_pulse.store.contracts import Store
 from celery_pulse.store.credentials import MemoryCredentials
+from celery_pulse.store.gateway_state import MemoryGatewayState
 from celery_pulse.store.memory.claims import MemoryClaims
 from celery_pulse.store.memory.leader import MemoryLeader
 from celery_pulse.store.memory.monitor import MemoryViews
@@ -39,3 +40,8 @@ class MemoryStore(MemoryViews, MemoryRegistry, MemoryClaims, MemoryRecover, Memo
     def credentials(self) -> MemoryCredentials:
         """The lease gateway's credentials, on the store clock."""
         return MemoryCredentials(clock=self.clock)
+
+    @functools.cached_property
+    def gateway_state(self) -> MemoryGatewayState:
+        """The lease gateway's sessions and attempts, on the store clock."""
+        return MemoryGatewayState(clock=self.clock)

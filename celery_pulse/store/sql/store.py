@@ -48,6 +48,7 @@ from celery_pulse.store_urls import mask_url
 
 if TYPE_CHECKING:
     from celery_pulse.store.sql.credentials import SqlCredentials
+    from celery_pulse.store.sql.gateway_state import SqlGatewayState
     from celery_pulse.store.sql.pipeline import Pipeline
 
 
@@ -76,6 +77,13 @@ class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlViews, SqlRecover, SqlReviews, Sq
         from celery_pulse.store.sql.credentials import SqlCredentials
 
         return SqlCredentials(self.engine)
+
+    @functools.cached_property
+    def gateway_state(self) -> SqlGatewayState:
+        """The lease gateway's sessions and attempts (any gateway process reads them)."""
+        from celery_pulse.store.sql.gateway_state import SqlGatewayState
+
+        return SqlGatewayState(self.engine)
 
     @property
     def url(self) -> str:

@@ -254,5 +254,34 @@ gateway_instances = sa.Table(
     sa.Column("secret_digest", sa.String(64), nullable=False),
     sa.Column("created_at", SECONDS, nullable=False),
     sa.Column("seen_at", SECONDS, nullable=False),
+    #: Its sessions (revision 0014): the current generation, which session and gateway
+    #: hold it, what every reconnect must present again (queue and capabilities, as a
+    #: digest) and its declared capacity, so that any gateway process resumes it.
+    sa.Column("generation", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("session_id", sa.String(32)),
+    sa.Column("gateway", sa.String(255)),
+    sa.Column("identity_digest", sa.String(64)),
+    sa.Column("capacity_sequence", sa.BigInteger, nullable=False, server_default="-1"),
+    sa.Column("capacity", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("drain", sa.Boolean, nullable=False, server_default=sa.false()),
+    **TABLE_OPTIONS,
+)
+
+#: The grants a gateway assigned to its instances (``task.assign``), by attempt id: what
+#: any gateway process needs to answer a frame naming one. The secret is the claim's
+#: token, kept here only as a digest.
+gateway_attempts = sa.Table(
+    "pulse_gateway_attempts",
+    metadata,
+    sa.Column("attempt_id", sa.String(32), primary_key=True),
+    sa.Column("instance_id", sa.String(32), nullable=False),
+    sa.Column("task_id", sa.String(255), nullable=False),
+    sa.Column("wire_task_id", sa.String(32), nullable=False),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("token_digest", sa.String(64), nullable=False),
+    sa.Column("task_name", sa.String(255), nullable=False),
+    sa.Column("created_at", SECONDS, nullable=False),
+    sa.Index("ix_pulse_gateway_attempts_instance", "instance_id", "created_at"),
+    sa.Index("ix_pulse_gateway_attempts_created", "created_at"),
     **TABLE_OPTIONS,
 )

@@ -1,0 +1,107 @@
+"""Gateway sessions and attempts in SQL (``pulse_gateway_instances``'s session columns and
+``pulse_gateway_attempts``; the contract and its rules are in
+:mod:`celery_pulse.store.gateway_state`).
+
+Portable SQLAlchemy Core: none of it is on a task's hot path (a hello, a capacity change,
+one insert per assignment, a lookup only on a gateway that never saw the attempt). Times
+are the store clock's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_pulse.store.gateway_state import AttemptRecord, GatewayState, IdentityChanged, Opened
+from celery_pulse.store.records import LIVE_STATES
+from celery_pulse.store.sql.connections import Connections
+from celery_pulse.store.sql.tables import claims, gateway_attempts, gateway_instances
+
+_ATTEMPT = [gateway_attempts.c[f.name] for f in dataclasses.fields(AttemptRecord)]
+
+
+def _record(row: Any) -> AttemptRecord:
+    return AttemptRecord(row.attempt_id, row.instance_id, row.task_id, row.wire_task_id,
+                         int(row.epoch), row.token_digest, row.task_name)
+
+
+class SqlGatewayState(GatewayState):
+    """The gateway's session and attempt rows on one engine."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.conns = Connections(engine)
+
+    def open_session(self, instance_id: str, session_id: str, gateway: str,
+                     identity: str) -> Opened:
+        table = gateway_instances
+
+        def body(conn: sa.Connection) -> Opened:
+            # The first hello's identity is kept; the next generation only for the same.
+            conn.execute(sa.update(table).where(
+                table.c.instance_id == instance_id, table.c.identity_digest.is_(None))
+                .values(identity_digest=identity))
+            moved = conn.execute(sa.update(table).where(
+                table.c.instance_id == instance_id, table.c.identity_digest == identity)
+                .values(generation=table.c.generation + 1, session_id=session_id,
+                        gateway=gateway[:255], seen_at=self.conns.now))
+            if moved.rowcount != 1:
+                raise IdentityChanged()
+            row = conn.execute(sa.select(
+                table.c.generation, table.c.capacity_sequence, table.c.capacity,
+                table.c.drain).where(table.c.instance_id == instance_id)).one()
+            return Opened(int(row.generation), int(row.capacity_sequence), int(row.capacity),
+                          bool(row.drain))
+
+        return self.conns.atomic("open gateway session", body)
+
+    def generations(self, instance_ids: Sequence[str]) -> dict[str, int]:
+        if not instance_ids:
+            return {}
+        table = gateway_instances
+        with self.conns.reading("gateway generations") as conn:
+            rows = conn.execute(sa.select(table.c.instance_id, table.c.generation).where(
+                table.c.instance_id.in_(list(instance_ids))))
+            return {row.instance_id: int(row.generation) for row in rows}
+
+    def declare(self, instance_id: str, generation: int, sequence: int, capacity: int,
+                drain: bool) -> bool:
+        table = gateway_instances
+        with self.conns.writing("declare gateway capacity") as conn:
+            return conn.execute(sa.update(table).where(
+                table.c.instance_id == instance_id, table.c.generation == generation)
+                .values(capacity_sequence=sequence, capacity=capacity, drain=drain)
+            ).rowcount == 1
+
+    def record_attempt(self, record: AttemptRecord) -> None:
+        values = {c.name: getattr(record, c.name) for c in _ATTEMPT}
+        with self.conns.writing("record gateway attempt") as conn:
+            conn.execute(sa.insert(gateway_attempts).values(
+                **values, created_at=self.conns.now))
+
+    def find_attempt(self, attempt_id: str) -> AttemptRecord | None:
+        with self.conns.reading("find gateway attempt") as conn:
+            row = conn.execute(sa.select(*_ATTEMPT).where(
+                gateway_attempts.c.attempt_id == attempt_id)).one_or_none()
+        return None if row is None else _record(row)
+
+    def live_attempts(self, instance_id: str, holder: str
+                      ) -> list[tuple[AttemptRecord, str]]:
+        a = gateway_attempts
+        stmt = (sa.select(*_ATTEMPT, claims.c.state).join(claims, sa.and_(
+            claims.c.task_id == a.c.task_id, claims.c.epoch == a.c.epoch))
+            .where(a.c.instance_id == instance_id, claims.c.holder == holder,
+                   claims.c.state.in_(LIVE_STATES), claims.c.lease_until > self.conns.now))
+        with self.conns.reading("live gateway attempts") as conn:
+            return [(_record(row), str(row.state)) for row in conn.execute(stmt)]
+
+    def purge_attempts(self, older_than: float) -> int:
+        a = gateway_attempts
+        running = sa.exists().where(claims.c.task_id == a.c.task_id,
+                                    claims.c.epoch == a.c.epoch,
+                                    claims.c.state.in_(LIVE_STATES))
+        with self.conns.writing("purge gateway attempts") as conn:
+            return int(conn.execute(sa.delete(a).where(
+                a.c.created_at < older_than, ~running)).rowcount)
