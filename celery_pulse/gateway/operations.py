@@ -25,6 +25,7 @@ from websockets.frames import CloseCode
 
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
+from celery_pulse.gateway.cluster import Cluster
 from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
@@ -35,25 +36,22 @@ from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
     assign_body,
-    attempt_key,
     command_result,
     lease_body,
     timestamp,
     welcome_body,
 )
 from celery_pulse.gateway.session import (
-    ATTEMPTS_KEPT,
     FINISHED,
     LEASED,
     RUNNING,
     Attempt,
     Instance,
     Session,
-    matches,
 )
 from celery_pulse.store.base import Store
-from celery_pulse.store.credentials import Forbidden, Unauthenticated, digest
-from celery_pulse.store.gateway_state import AttemptRecord, GatewayState
+from celery_pulse.store.credentials import Forbidden, Unauthenticated
+from celery_pulse.store.gateway_state import GatewayState
 
 # The server's log lines keep the server's logger name, wherever their code lives.
 logger = logging.getLogger("celery_pulse.gateway.server")
@@ -61,7 +59,7 @@ logger = logging.getLogger("celery_pulse.gateway.server")
 T = TypeVar("T")
 
 
-class Operations:
+class Operations(Cluster):
     """A gateway's instances, operations and dispatch (no connection handling)."""
 
     def __init__(self, now: Callable[[], float], limits: Limits, *, store: Store | None,
@@ -209,60 +207,6 @@ class Operations:
             logger.warning("pulse gateway: result of %s[%s] not stored: %s",
                            attempt.task_name, attempt.task_id, exc.message)
 
-    async def _find(self, instance: Instance, ref: frames.AttemptRef) -> Attempt:
-        """The attempt ``ref`` names: this gateway's, or (assigned by another gateway, or
-        by this one before a restart) the store's record, checked against the frame's
-        secret and the claim; ``NOT_FOUND`` otherwise."""
-        key = attempt_key(ref)
-        try:
-            return instance.attempt(*key)
-        except ProtocolError:
-            if self.state is None or self.store is None:
-                raise
-        wire_id, attempt_id, epoch, secret = key
-        record = await self._store(self.state.find_attempt, attempt_id)
-        if record is None or record.instance_id != instance.instance_id:
-            raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
-        found = _adopted(record, time.monotonic() + self.limits.lease_ttl)
-        if not matches(found, wire_id, epoch, secret):
-            raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
-        found.token = secret
-        held = await self._store(self._fenced(instance).status, found)
-        if held is None:
-            found.state = FINISHED  # ended, or lost: the store says which when asked
-        else:
-            found.state = RUNNING if held[0] == "running" else LEASED
-            found.lease_until = held[1]
-        instance.adopt([found])
-        return instance.attempt(*key)
-
-    async def _adopt_live(self, instance: Instance) -> None:
-        """A new session counts the attempts its instance holds in the store, wherever
-        they were assigned: capacity is the instance's, not one gateway's."""
-        if self.state is None:
-            return
-        live = await self._store(self.state.live_attempts, instance.instance_id,
-                                 self._holders[instance.instance_id])
-        deadline = time.monotonic() + self.limits.lease_ttl
-        adopted = []
-        for record, state in live[:ATTEMPTS_KEPT]:
-            attempt = _adopted(record, deadline)
-            attempt.state = RUNNING if state == "running" else LEASED
-            adopted.append(attempt)
-        instance.adopt(adopted, live={a.attempt_id for a in adopted})
-
-    def _recorder(self, instance: Instance) -> Callable[[Attempt], None] | None:
-        """What the feeder calls (in its thread) before an assignment is sent."""
-        state = self.state
-        if state is None:
-            return None
-
-        def record(attempt: Attempt) -> None:
-            state.record_attempt(AttemptRecord(
-                attempt.attempt_id, instance.instance_id, attempt.task_id,
-                attempt.wire_task_id, attempt.epoch, digest(attempt.token), attempt.task_name))
-        return record
-
     # -- dispatch ---------------------------------------------------------------------
     def _fenced(self, instance: Instance) -> Fenced:
         if self.store is None:
@@ -349,8 +293,3 @@ class Operations:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-
-def _adopted(record: AttemptRecord, deadline: float) -> Attempt:
-    """An attempt from its store record: its token unknown until a frame proves it."""
-    return Attempt(record.task_id, record.wire_task_id, record.attempt_id, record.epoch, "",
-                   record.task_name, 0.0, deadline, token_digest=record.token_digest)

@@ -75,7 +75,7 @@ from celery_pulse.store.credentials import (
     Forbidden,
     Unauthenticated,
 )
-from celery_pulse.store.gateway_state import GatewayState, IdentityChanged, Opened, identity_digest
+from celery_pulse.store.gateway_state import GatewayState
 
 #: What ``celery pulse gateway`` and the tests import from here, wherever it lives now.
 __all__ = ["DISPOSITIONS", "OUTCOME_STATES", "PATH", "Gateway", "Limits", "Link",
@@ -84,10 +84,6 @@ __all__ = ["DISPOSITIONS", "OUTCOME_STATES", "PATH", "Gateway", "Limits", "Link"
 logger = logging.getLogger(__name__)
 
 PATH = "/v1/worker/connect"
-#: How often a gateway purges attempt records, and how long it keeps one whose claim no
-#: longer runs under it (a late frame naming it after that is NOT_FOUND).
-ATTEMPT_PURGE_EVERY = 600.0
-ATTEMPTS_RETAINED = 3600.0
 
 
 class Gateway(Operations):
@@ -337,21 +333,6 @@ class Gateway(Operations):
         except Forbidden as exc:
             raise ProtocolError(Code.FORBIDDEN, exc.message) from None
         return fresh
-    async def _open(self, hello: frames.Hello, session_id: str) -> Opened:
-        """The instance's next generation: the store's (every gateway sees it), or this
-        gateway's own without shared state."""
-        if self.state is None:
-            known = self.sessions.get(hello.instance_id)
-            return Opened((known.epoch if known is not None else 0) + 1)
-        try:
-            return await self._store(self.state.open_session, hello.instance_id, session_id,
-                                     self.name,
-                                     identity_digest(hello.queue_id, hello.capabilities))
-        except IdentityChanged:
-            raise ProtocolError(
-                Code.STATE_CONFLICT,
-                "a reconnect must keep its credential, queue and capabilities") from None
-
     def _replaced(self, previous: Session) -> None:
         link = self._links.pop(previous.session_id, None)
         if link is not None:
@@ -363,38 +344,6 @@ class Gateway(Operations):
                 link.close(CloseCode.POLICY_VIOLATION, "session replaced"))
 
     # -- running ----------------------------------------------------------------------
-    async def watch_sessions(self) -> None:
-        """End this gateway's sessions that a newer generation replaced on another
-        gateway (one statement for all, every ``session_check``), and purge old attempt
-        records now and then. Run it beside :meth:`serve`."""
-        if self.state is None:
-            return
-        purged_at = 0.0
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.limits.session_check)
-            current = {i: inst.current for i in list(self._holders)
-                       if (inst := self.sessions.get(i)) is not None
-                       and inst.current is not None}
-            try:
-                generations = await self._store(self.state.generations, list(current))
-                if loop.time() - purged_at > ATTEMPT_PURGE_EVERY:
-                    purged_at = loop.time()
-                    now = await self._store(self.now)
-                    await self._store(self.state.purge_attempts, now - ATTEMPTS_RETAINED)
-            except ProtocolError as exc:
-                logger.warning("pulse gateway: could not check sessions: %s", exc.message)
-                continue
-            for instance_id, session in current.items():
-                if session is not None and generations.get(instance_id, 0) > session.epoch:
-                    logger.info("pulse gateway: session %s of %s replaced on another "
-                                "gateway", session.session_id, instance_id)
-                    known = self.sessions.get(instance_id)
-                    if known is not None:
-                        known.close(session)
-                    self._stop_feeding(instance_id)
-                    self._replaced(session)
-
     async def heartbeats(self) -> None:
         """``worker-heartbeat`` events for every instance with a current session, at the
         registry's beat (run it beside :meth:`serve` when events are on)."""

@@ -109,11 +109,12 @@ class GatewayState(abc.ABC):
 
 
 class MemoryGatewayState(GatewayState):
-    """In memory, for unit tests and the memory store; ``live`` answers the state of a
-    claim its holder still holds under an epoch (None: it doesn't)."""
+    """In memory, for unit tests and the memory store; ``live(task_id, epoch, holder)``
+    answers the state of a claim the holder (None: anyone) still holds under an epoch
+    (None: nobody does)."""
 
     def __init__(self, clock: Callable[[], float] = time.time,
-                 live: Callable[[str, int, str], str | None] | None = None) -> None:
+                 live: Callable[[str, int, str | None], str | None] | None = None) -> None:
         self._clock = clock
         self._live = live or (lambda task_id, epoch, holder: None)
         self._lock = threading.Lock()
@@ -161,7 +162,8 @@ class MemoryGatewayState(GatewayState):
 
     def purge_attempts(self, older_than: float) -> int:
         with self._lock:
-            old = [a for a, (r, at) in self._attempts.items() if at < older_than]
+            old = [a for a, (r, at) in self._attempts.items()
+                   if at < older_than and self._live(r.task_id, r.epoch, None) is None]
             for attempt_id in old:
                 del self._attempts[attempt_id]
         return len(old)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 
 
 class Proxy:
@@ -19,6 +20,8 @@ class Proxy:
         self._lock = threading.Lock()
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self.connections = 0
+        #: When each connection was let through (``time.time()``), oldest first.
+        self.accepted_at: list[float] = []
         self._closed = False
         self._flowing = threading.Event()
         self._flowing.set()
@@ -38,6 +41,7 @@ class Proxy:
             with self._lock:
                 self._pairs.append((client, server))
                 self.connections += 1
+                self.accepted_at.append(time.time())
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from celery_pulse.store.contracts import Store
+from celery_pulse.store.records import LIVE_STATES
 from celery_pulse.store.credentials import MemoryCredentials
 from celery_pulse.store.gateway_state import MemoryGatewayState
 from celery_pulse.store.memory.claims import MemoryClaims
@@ -44,4 +45,16 @@ class MemoryStore(MemoryViews, MemoryRegistry, MemoryClaims, MemoryRecover, Memo
     @functools.cached_property
     def gateway_state(self) -> MemoryGatewayState:
         """The lease gateway's sessions and attempts, on the store clock."""
-        return MemoryGatewayState(clock=self.clock)
+        return MemoryGatewayState(clock=self.clock, live=self._held_state)
+
+    def _held_state(self, task_id: str, epoch: int, holder: str | None) -> str | None:
+        """The state of a claim ``holder`` (None: anyone) still holds under ``epoch``, by
+        the store clock."""
+        with self._lock:
+            row = self.tables.claims.get(task_id)
+            now = self.clock()
+            if (row is None or (holder is not None and row.holder != holder) or row.epoch != epoch
+                    or row.state not in LIVE_STATES or row.lease_until is None
+                    or row.lease_until <= now):
+                return None
+            return row.state

@@ -1,0 +1,191 @@
+"""What makes gateway processes interchangeable: the sessions and attempts every one of
+them reads from the store (:mod:`celery_pulse.store.gateway_state`), so a worker's hello,
+``worker.resume``, ``task.start``, ``task.renew`` and ``task.finish`` are answered by
+whichever gateway the load balancer picks, and a restart loses nothing.
+
+The rules, before any code:
+
+* **The store opens every session.** A hello moves its instance to the next generation
+  in the store (:meth:`Cluster._open`); a gateway holding an older one learns it within
+  ``session_check`` (:meth:`Cluster.watch_sessions`: one statement for all its sessions)
+  and closes it with ``SESSION_MISMATCH``, and stops feeding the instance.
+* **Capacity is the instance's.** A new session counts the attempts its instance holds
+  in the store wherever they were assigned (:meth:`Cluster._adopt_live`); only the
+  gateway holding the current generation feeds it.
+* **Attempts are looked up, never trusted.** An attempt a gateway never saw is read from
+  its record (written before its ``task.assign`` was sent: :meth:`Cluster._recorder`),
+  checked against the frame's secret (a digest) and the claim; its state is the
+  claim's. A re-sent operation is answered from the store's truth: a start already
+  applied is APPLIED again, a finish already applied is DUPLICATE (its result written
+  again, idempotently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery_pulse.gateway import frames
+from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.gateway.receipts import attempt_key
+from celery_pulse.gateway.session import (
+    ATTEMPTS_KEPT,
+    FINISHED,
+    LEASED,
+    RUNNING,
+    Attempt,
+    Instance,
+    Session,
+    Sessions,
+    matches,
+)
+from celery_pulse.store.credentials import digest
+from celery_pulse.store.gateway_state import (
+    AttemptRecord,
+    GatewayState,
+    IdentityChanged,
+    Opened,
+    identity_digest,
+)
+
+if TYPE_CHECKING:
+    from celery_pulse.gateway.dispatch import Fenced
+    from celery_pulse.gateway.link import Limits
+    from celery_pulse.store.base import Store
+
+logger = logging.getLogger("celery_pulse.gateway.server")
+
+T = TypeVar("T")
+
+#: How often a gateway purges attempt records, and how long it keeps one whose claim no
+#: longer runs under it (a late frame naming it after that is NOT_FOUND).
+ATTEMPT_PURGE_EVERY = 600.0
+ATTEMPTS_RETAINED = 3600.0
+
+
+class Cluster:
+    """The shared-state half of a gateway (a mixin of its operations)."""
+
+    state: GatewayState | None
+    store: Store | None
+    limits: Limits
+    name: str
+    now: Callable[[], float]
+    sessions: Sessions
+    _holders: dict[str, str]
+
+    if TYPE_CHECKING:
+        async def _store(self, call: Callable[..., T], *args: Any) -> T: ...
+        def _fenced(self, instance: Instance) -> Fenced: ...
+        def _stop_feeding(self, instance_id: str) -> None: ...
+        def _replaced(self, previous: Session) -> None: ...
+
+    async def _open(self, hello: frames.Hello, session_id: str) -> Opened:
+        """The instance's next generation: the store's (every gateway sees it), or this
+        gateway's own without shared state."""
+        if self.state is None:
+            known = self.sessions.get(hello.instance_id)
+            return Opened((known.epoch if known is not None else 0) + 1)
+        try:
+            return await self._store(self.state.open_session, hello.instance_id, session_id,
+                                     self.name,
+                                     identity_digest(hello.queue_id, hello.capabilities))
+        except IdentityChanged:
+            raise ProtocolError(
+                Code.STATE_CONFLICT,
+                "a reconnect must keep its credential, queue and capabilities") from None
+
+    async def _find(self, instance: Instance, ref: frames.AttemptRef) -> Attempt:
+        """The attempt ``ref`` names: this gateway's, or (assigned by another gateway, or
+        by this one before a restart) the store's record, checked against the frame's
+        secret and the claim; ``NOT_FOUND`` otherwise."""
+        key = attempt_key(ref)
+        try:
+            return instance.attempt(*key)
+        except ProtocolError:
+            if self.state is None or self.store is None:
+                raise
+        wire_id, attempt_id, epoch, secret = key
+        record = await self._store(self.state.find_attempt, attempt_id)
+        if record is None or record.instance_id != instance.instance_id:
+            raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
+        found = _adopted(record, time.monotonic() + self.limits.lease_ttl)
+        if not matches(found, wire_id, epoch, secret):
+            raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
+        found.token = secret
+        held = await self._store(self._fenced(instance).status, found)
+        if held is None:
+            found.state = FINISHED  # ended, or lost: the store says which when asked
+        else:
+            found.state = RUNNING if held[0] == "running" else LEASED
+            found.lease_until = held[1]
+        instance.adopt([found])
+        return instance.attempt(*key)
+
+    async def _adopt_live(self, instance: Instance) -> None:
+        """A new session counts the attempts its instance holds in the store, wherever
+        they were assigned: capacity is the instance's, not one gateway's."""
+        if self.state is None:
+            return
+        live = await self._store(self.state.live_attempts, instance.instance_id,
+                                 self._holders[instance.instance_id])
+        deadline = time.monotonic() + self.limits.lease_ttl
+        adopted = []
+        for record, state in live[:ATTEMPTS_KEPT]:
+            attempt = _adopted(record, deadline)
+            attempt.state = RUNNING if state == "running" else LEASED
+            adopted.append(attempt)
+        instance.adopt(adopted, live={a.attempt_id for a in adopted})
+
+    def _recorder(self, instance: Instance) -> Callable[[Attempt], None] | None:
+        """What the feeder calls (in its thread) before an assignment is sent."""
+        state = self.state
+        if state is None:
+            return None
+
+        def record(attempt: Attempt) -> None:
+            state.record_attempt(AttemptRecord(
+                attempt.attempt_id, instance.instance_id, attempt.task_id,
+                attempt.wire_task_id, attempt.epoch, digest(attempt.token), attempt.task_name))
+        return record
+
+    async def watch_sessions(self) -> None:
+        """End this gateway's sessions that a newer generation replaced on another
+        gateway (one statement for all, every ``session_check``), and purge old attempt
+        records now and then. Run it beside :meth:`serve`."""
+        if self.state is None:
+            return
+        purged_at = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.limits.session_check)
+            current = {i: inst.current for i in list(self._holders)
+                       if (inst := self.sessions.get(i)) is not None
+                       and inst.current is not None}
+            try:
+                generations = await self._store(self.state.generations, list(current))
+                if loop.time() - purged_at > ATTEMPT_PURGE_EVERY:
+                    purged_at = loop.time()
+                    now = await self._store(self.now)
+                    await self._store(self.state.purge_attempts, now - ATTEMPTS_RETAINED)
+            except ProtocolError as exc:
+                logger.warning("pulse gateway: could not check sessions: %s", exc.message)
+                continue
+            for instance_id, session in current.items():
+                if session is not None and generations.get(instance_id, 0) > session.epoch:
+                    logger.info("pulse gateway: session %s of %s replaced on another "
+                                "gateway", session.session_id, instance_id)
+                    known = self.sessions.get(instance_id)
+                    if known is not None:
+                        known.close(session)
+                    self._stop_feeding(instance_id)
+                    self._replaced(session)
+
+
+def _adopted(record: AttemptRecord, deadline: float) -> Attempt:
+    """An attempt from its store record: its token unknown until a frame proves it."""
+    return Attempt(record.task_id, record.wire_task_id, record.attempt_id, record.epoch, "",
+                   record.task_name, 0.0, deadline, token_digest=record.token_digest)
