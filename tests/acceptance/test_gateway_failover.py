@@ -21,7 +21,7 @@ import collections
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,10 @@ def env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
 
 
 @pytest.fixture
-def balancer(gateway: GatewayProcess) -> Proxy:
+def balancer(gateway: GatewayProcess) -> Iterator[Proxy]:
     """The load balancer in front of the gateways, aimed at the first one."""
     made = Proxy(_port(gateway))
-    yield made  # type: ignore[misc]
+    yield made
     made.close()
 
 

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 
 from celery_pulse.store.contracts import Store
-from celery_pulse.store.records import LIVE_STATES
 from celery_pulse.store.credentials import MemoryCredentials
 from celery_pulse.store.gateway_state import MemoryGatewayState
 from celery_pulse.store.memory.claims import MemoryClaims
@@ -26,6 +25,7 @@ from celery_pulse.store.memory.leader import MemoryLeader
 from celery_pulse.store.memory.monitor import MemoryViews
 from celery_pulse.store.memory.recover import MemoryRecover
 from celery_pulse.store.memory.registry import MemoryRegistry
+from celery_pulse.store.records import LIVE_STATES
 
 __all__ = ["MemoryStore"]
 
