@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_pulse.gateway import frames
+from celery_pulse.gateway.clock import StoreClock
 from celery_pulse.gateway.frames import Code, ProtocolError
 from celery_pulse.gateway.receipts import attempt_key
 from celery_pulse.gateway.session import (
@@ -42,7 +43,14 @@ from celery_pulse.gateway.session import (
     Sessions,
     matches,
 )
-from celery_pulse.store.credentials import digest
+from celery_pulse.store.credentials import (
+    CONSUME,
+    Credential,
+    CredentialStore,
+    Forbidden,
+    Unauthenticated,
+    digest,
+)
 from celery_pulse.store.gateway_state import (
     AttemptRecord,
     GatewayState,
@@ -60,6 +68,10 @@ logger = logging.getLogger("celery_pulse.gateway.server")
 
 T = TypeVar("T")
 
+#: A session replaced by a newer generation, as its connection is told.
+REPLACED = "a newer session of this instance replaced this one"
+#: Credentials older than this (the watch stalled) are read from the store per frame.
+CREDENTIALS_STALE = 5.0
 #: How often a gateway purges attempt records, and how long it keeps one whose claim no
 #: longer runs under it (a late frame naming it after that is NOT_FOUND).
 ATTEMPT_PURGE_EVERY = 600.0
@@ -71,6 +83,11 @@ class Cluster:
 
     state: GatewayState | None
     store: Store | None
+    credentials: CredentialStore
+    clock: StoreClock
+    #: The credentials of this gateway's sessions as last read, and when (monotonic).
+    _credentials_now: dict[str, Credential]
+    _credentials_read_at: float
     limits: Limits
     name: str
     now: Callable[[], float]
@@ -81,7 +98,7 @@ class Cluster:
         async def _store(self, call: Callable[..., T], *args: Any) -> T: ...
         def _fenced(self, instance: Instance) -> Fenced: ...
         def _stop_feeding(self, instance_id: str) -> None: ...
-        def _replaced(self, previous: Session) -> None: ...
+        def _end_session(self, session: Session, error: ProtocolError) -> None: ...
 
     async def _open(self, hello: frames.Hello, session_id: str) -> Opened:
         """The instance's next generation: the store's (every gateway sees it), or this
@@ -152,38 +169,77 @@ class Cluster:
                 attempt.wire_task_id, attempt.epoch, digest(attempt.token), attempt.task_name))
         return record
 
+    # -- the watch: one loop per gateway, once a ``session_check`` ---------------------
+    def _authority(self, instance: Instance) -> None:
+        """May this instance's credential still consume its queue? From the credentials
+        the watch read last (at most ``CREDENTIALS_STALE`` old; else the store is asked):
+        no store round trip per frame. ``UNAUTHENTICATED``/``FORBIDDEN`` if not."""
+        credential = self._credentials_now.get(instance.identity.credential_id)
+        if credential is None:
+            raise ProtocolError(Code.UNAUTHENTICATED, Unauthenticated().message)
+        try:
+            credential.require(CONSUME, instance.identity.queue_id)
+        except Unauthenticated as exc:
+            raise ProtocolError(Code.UNAUTHENTICATED, exc.message) from None
+        except Forbidden as exc:
+            raise ProtocolError(Code.FORBIDDEN, exc.message) from None
+
+    def _credentials_fresh(self) -> bool:
+        return time.monotonic() - self._credentials_read_at < CREDENTIALS_STALE
+
     async def watch_sessions(self) -> None:
-        """End this gateway's sessions that a newer generation replaced on another
-        gateway (one statement for all, every ``session_check``), and purge old attempt
-        records now and then. Run it beside :meth:`serve`."""
-        if self.state is None:
-            return
+        """Once a ``session_check``: read the store's clock, the credentials of this
+        gateway's sessions and (with shared state) their generations, in three
+        statements for all of them; end every session whose credential was revoked or
+        lost its queue (``UNAUTHENTICATED``/``FORBIDDEN``) or that a newer generation
+        replaced on another gateway (``SESSION_MISMATCH``); purge old attempt records now
+        and then. Run it beside :meth:`serve`."""
         purged_at = 0.0
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.limits.session_check)
-            current = {i: inst.current for i in list(self._holders)
+            current = {i: inst for i in list(self._holders)
                        if (inst := self.sessions.get(i)) is not None
                        and inst.current is not None}
             try:
-                generations = await self._store(self.state.generations, list(current))
-                if loop.time() - purged_at > ATTEMPT_PURGE_EVERY:
-                    purged_at = loop.time()
-                    now = await self._store(self.now)
-                    await self._store(self.state.purge_attempts, now - ATTEMPTS_RETAINED)
+                await self._store(self.clock.sample)
+                ids = {inst.identity.credential_id for inst in current.values()}
+                read_at = time.monotonic()
+                found = await self._store(self.credentials.get_credentials, ids)
+                for credential_id in ids:
+                    self._credentials_now.pop(credential_id, None)
+                self._credentials_now.update(found)
+                self._credentials_read_at = read_at
+                generations: dict[str, int] = {}
+                if self.state is not None:
+                    generations = await self._store(self.state.generations, list(current))
+                    if loop.time() - purged_at > ATTEMPT_PURGE_EVERY:
+                        purged_at = loop.time()
+                        await self._store(self.state.purge_attempts,
+                                          self.clock.estimate() - ATTEMPTS_RETAINED)
             except ProtocolError as exc:
                 logger.warning("pulse gateway: could not check sessions: %s", exc.message)
                 continue
-            for instance_id, session in current.items():
-                if session is not None and generations.get(instance_id, 0) > session.epoch:
+            for instance_id, instance in current.items():
+                session = instance.current
+                if session is None:
+                    continue
+                error: ProtocolError | None = None
+                if generations.get(instance_id, 0) > session.epoch:
                     logger.info("pulse gateway: session %s of %s replaced on another "
                                 "gateway", session.session_id, instance_id)
-                    known = self.sessions.get(instance_id)
-                    if known is not None:
-                        known.close(session)
+                    error = ProtocolError(Code.SESSION_MISMATCH, REPLACED)
+                else:
+                    try:
+                        self._authority(instance)
+                    except ProtocolError as exc:
+                        logger.info("pulse gateway: ending session %s of %s: %s",
+                                    session.session_id, instance_id, exc.message)
+                        error = exc
+                if error is not None:
+                    instance.close(session)
                     self._stop_feeding(instance_id)
-                    self._replaced(session)
-
+                    self._end_session(session, error)
 
 def _adopted(record: AttemptRecord, deadline: float) -> Attempt:
     """An attempt from its store record: its token unknown until a frame proves it."""

@@ -52,6 +52,8 @@ class Limits:
     #: How often a gateway asks the store whether its sessions are still current (one
     #: replaced on another gateway is closed within this).
     session_check: float = 1.0
+    #: Operations of one connection applied at once (each attempt's in order).
+    concurrent_operations: int = 16
 
 
 class Closing(Exception):

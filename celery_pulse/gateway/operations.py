@@ -25,6 +25,7 @@ from websockets.frames import CloseCode
 
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
+from celery_pulse.gateway.clock import StoreClock
 from celery_pulse.gateway.cluster import Cluster
 from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
 from celery_pulse.gateway.events import GatewayEvents
@@ -67,8 +68,10 @@ class Operations(Cluster):
                  events: GatewayEvents | None, state: GatewayState | None = None) -> None:
         #: Sessions and attempts every gateway process shares (None: this one's only).
         self.state = state
-        #: The store's clock (``server_time``, ``expires_at``): never this host's.
+        #: The store's clock (``server_time``, ``expires_at``): never this host's; read
+        #: once a second by the watch and estimated in between (:mod:`.clock`).
         self.now = now
+        self.clock = StoreClock(now)
         self.limits = limits
         #: Where claims live, and the Celery app whose broker and tasks are dispatched;
         #: without them the gateway only keeps sessions (no task is assigned).
@@ -125,7 +128,7 @@ class Operations(Cluster):
                     "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
                     self._holders[instance.instance_id], uuid=attempt.task_id,
                     exception=finish.error_code or "", result=""))
-            now = await self._store(self.now)
+            now = await self._store_now()
             state = {"applied": OUTCOME_STATES[finish.outcome],
                      "duplicate": OUTCOME_STATES[finish.outcome]}.get(answer, "UNKNOWN")
             return command_result("finish", state, "FINISHED", attempt, None,
@@ -168,7 +171,7 @@ class Operations(Cluster):
         # task.renew: only a running attempt is renewed (the seed's rule).
         if attempt.state != RUNNING:
             raise ProtocolError(Code.STATE_CONFLICT, "only a started attempt is renewed")
-        now = await self._store(self.now)
+        now = await self._store_now(earliest=True)
         renewed = await self._store(fenced.renew, attempt)
         if renewed is False:
             attempt.state = FINISHED
@@ -267,6 +270,13 @@ class Operations(Cluster):
         now = await self._store(self.now)
         return welcome_body(instance, session, now, self.limits.session_ttl,
                             self.limits.lease_ttl)
+
+    async def _store_now(self, *, earliest: bool = False) -> float:
+        """The store's clock: estimated (:mod:`.clock`) while the watch keeps it fresh,
+        else read. ``earliest``: no later than the store's."""
+        if self.clock.fresh():
+            return self.clock.earliest() if earliest else self.clock.estimate()
+        return await self._store(self.now)
 
     async def _store(self, call: Callable[..., T], *args: Any) -> T:
         """A blocking store call off the loop, under the store deadline."""

@@ -42,33 +42,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from typing import Any
-from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
-from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.admission import Admission, counted
+from celery_pulse.gateway.cluster import REPLACED
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
+from celery_pulse.gateway.handshake import PATH, Handshake
 from celery_pulse.gateway.link import Closing, Limits, Link, server_ssl_context, suppress_closing
 from celery_pulse.gateway.operations import Operations
+from celery_pulse.gateway.ordering import Ordered
 from celery_pulse.gateway.outcomes import RemoteTaskError
 from celery_pulse.gateway.receipts import DISPOSITIONS, OUTCOME_STATES, holder_name
 from celery_pulse.gateway.redact import wire_logger
 from celery_pulse.gateway.session import RUNNING, Instance, Session, Sessions
 from celery_pulse.store.base import Store
 from celery_pulse.store.credentials import (
-    CONNECT,
     CONSUME,
     Credential,
     CredentialStore,
@@ -83,10 +82,9 @@ __all__ = ["DISPOSITIONS", "OUTCOME_STATES", "PATH", "Gateway", "Limits", "Link"
 
 logger = logging.getLogger(__name__)
 
-PATH = "/v1/worker/connect"
 
 
-class Gateway(Operations):
+class Gateway(Handshake, Operations):
     """The server: handshake checks, then one :meth:`_serve_connection` per worker."""
 
     def __init__(self, credentials: CredentialStore, now: Callable[[], float], *,
@@ -101,57 +99,14 @@ class Gateway(Operations):
         super().__init__(now, limits, store=store, app=app, on_lost=on_lost,
                          max_attempts=max_attempts, name=name, events=events, state=state)
         self.credentials = credentials
+        self._credentials_now: dict[str, Credential] = {}
+        self._credentials_read_at = float("-inf")
         self.sessions = Sessions(on_replaced=self._replaced)
         #: Credentials the handshake accepted, until their connection's handler takes
         #: them (or the handshake fails after the check: :meth:`_process_response`).
         self._accepted: dict[ServerConnection, Credential] = {}
         #: Who holds the connection places (counted from accept, before the credential).
         self.admission = Admission(self.limits)
-
-    # -- the handshake ----------------------------------------------------------------
-    async def _process_request(self, conn: ServerConnection, request: Request
-                               ) -> Response | None:
-        refusal = self.admission.refusal(conn)
-        if refusal is not None:
-            return _overloaded(conn, refusal)
-        parts = urlsplit(request.path)
-        if parts.path != PATH:
-            return _refuse(conn, HTTPStatus.NOT_FOUND, f"no such endpoint; use {PATH}")
-        if parts.query:
-            return _refuse(conn, HTTPStatus.BAD_REQUEST,
-                           "this endpoint takes no query (credentials in the URL are "
-                           "refused): send Authorization: Bearer <token>")
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            response = _refuse(conn, HTTPStatus.UNAUTHORIZED,
-                               "send Authorization: Bearer <token>")
-            response.headers["WWW-Authenticate"] = 'Bearer realm="pulse.worker.v1"'
-            return response
-        try:
-            # Lookups are bounded: a flood of bogus tokens waits its turn here instead of
-            # taking the store and the threads the workers' operations need.
-            async with self.admission.checking():
-                credential = await self._store(self.credentials.authenticate, token.strip())
-            credential.require(CONNECT)
-        except Unauthenticated as exc:
-            return _refuse(conn, HTTPStatus.UNAUTHORIZED, exc.message)
-        except Forbidden as exc:
-            return _refuse(conn, HTTPStatus.FORBIDDEN, exc.message)
-        except ProtocolError:
-            return _refuse(conn, HTTPStatus.SERVICE_UNAVAILABLE, "the store is unavailable")
-        refusal = self.admission.authenticated(conn, credential.credential_id)
-        if refusal is not None:
-            return _overloaded(conn, refusal)
-        self._accepted[conn] = credential
-        return None
-
-    def _process_response(self, conn: ServerConnection, request: Request, response: Response
-                          ) -> None:
-        """A handshake refused after the credential check (no common subprotocol, say)
-        leaves no place taken."""
-        if response.status_code != HTTPStatus.SWITCHING_PROTOCOLS:
-            self._accepted.pop(conn, None)
-            self.admission.release(conn)
 
     # -- one connection ---------------------------------------------------------------
     async def _serve_connection(self, conn: ServerConnection) -> None:
@@ -165,12 +120,7 @@ class Gateway(Operations):
             instance, session = await self._hello(conn, link, credential)
             await self._operate(conn, link, credential, instance, session)
         except Closing as closing:
-            logger.info("pulse gateway: closing the connection of %s: %s",
-                        _sid(session) or "a worker before its hello", closing.reason)
-            if closing.error is not None:
-                with suppress_closing():
-                    link.send(frames.error_frame(closing.error, _sid(session)))
-            await link.close(closing.code, closing.reason)
+            await self._closing(link, session, closing)
         except ConnectionClosed:
             pass
         finally:
@@ -256,57 +206,87 @@ class Gateway(Operations):
 
     async def _operate(self, conn: ServerConnection, link: Link, credential: Credential,
                        instance: Instance, session: Session) -> None:
-        while True:
-            try:
-                data = await asyncio.wait_for(conn.recv(), self.limits.read_idle)
-            except TimeoutError:
-                if await link.answers_ping():
-                    continue  # idle, not gone: an idle worker is never cut
-                raise Closing(CloseCode.POLICY_VIOLATION, "read idle") from None
-            frame = self._decode(link, data, session.session_id)
-            if frame is None:
-                continue
-            if not instance.is_current(session):
-                raise Closing(CloseCode.POLICY_VIOLATION, "session replaced", ProtocolError(
-                    Code.SESSION_MISMATCH, "a newer session of this instance replaced this one",
-                    reply_to=frame.message_id))
-            try:
-                if frame.session_id != session.session_id:
-                    raise ProtocolError(Code.SESSION_MISMATCH,
-                                        "session_id is not this connection's session")
-                if frame.type == frames.HELLO:
-                    raise ProtocolError(Code.STATE_CONFLICT, "this session said hello already")
-                credential = await self._authorised(credential, instance.identity.queue_id)
-                digest = frames.canonical(frame)
-                replayed = instance.replay(frame.message_id, digest)
-                if replayed is not None:
-                    fresh = dict(replayed, deduplicated=True)
-                    if "lease" in fresh:  # the receipt is the original; the lease is now's
-                        fresh["lease"] = await self._lease_now(instance, frame)
-                    link.send(frames.ack(frame.message_id, session.session_id, fresh))
+        """Read frames and apply each as its own task (:mod:`.ordering`: side by side,
+        each attempt's in order); the read loop itself only checks the session."""
+        ordered = Ordered(self.limits.concurrent_operations)
+        try:
+            while True:
+                try:
+                    data = await asyncio.wait_for(conn.recv(), self.limits.read_idle)
+                except TimeoutError:
+                    if await link.answers_ping():
+                        continue  # idle, not gone: an idle worker is never cut
+                    raise Closing(CloseCode.POLICY_VIOLATION, "read idle") from None
+                frame = self._decode(link, data, session.session_id)
+                if frame is None:
                     continue
-                earlier = instance.in_flight(frame.message_id, digest)
-                if earlier is not None:
-                    # The same operation is still being applied (sent again over a new
-                    # connection before the first one's answer): its answer is this one's.
-                    try:
-                        first = await asyncio.shield(earlier)
-                    except ProtocolError:
-                        first = None  # it failed: this one is tried on its own
-                    if first is not None:
-                        link.send(frames.ack(frame.message_id, session.session_id,
-                                             {**first, "deduplicated": True}))
-                        continue
-                with instance.applying(frame.message_id, digest) as done:
-                    reply = await self._apply(instance, session, frame)
-                    instance.remember(frame.message_id, digest, reply)
-                    done.set_result(reply)
-                link.send(frames.ack(frame.message_id, session.session_id, reply))
+                if not instance.is_current(session):
+                    raise Closing(CloseCode.POLICY_VIOLATION, "session replaced",
+                                  ProtocolError(Code.SESSION_MISMATCH, REPLACED,
+                                                reply_to=frame.message_id))
+                await ordered.submit(_order_key(frame), functools.partial(
+                    self._handle, link, credential, instance, session, frame))
+        finally:
+            await ordered.drain()
+
+    async def _handle(self, link: Link, credential: Credential, instance: Instance,
+                      session: Session, frame: Frame) -> None:
+        """One frame of a current session: answered, or its connection closed."""
+        try:
+            try:
+                await self._answer(link, credential, instance, session, frame)
             except ProtocolError as exc:
                 exc.reply_to = frame.message_id
                 if exc.code in (Code.UNAUTHENTICATED, Code.FORBIDDEN):
                     raise Closing(CloseCode.POLICY_VIOLATION, exc.code, exc) from None
                 link.send(frames.error_frame(exc, session.session_id))
+        except Closing as closing:
+            await self._closing(link, session, closing)
+
+    async def _answer(self, link: Link, credential: Credential, instance: Instance,
+                      session: Session, frame: Frame) -> None:
+        if frame.session_id != session.session_id:
+            raise ProtocolError(Code.SESSION_MISMATCH,
+                                "session_id is not this connection's session")
+        if frame.type == frames.HELLO:
+            raise ProtocolError(Code.STATE_CONFLICT, "this session said hello already")
+        if self._credentials_fresh():
+            self._authority(instance)
+        else:  # the watch is behind: ask the store
+            await self._authorised(credential, instance.identity.queue_id)
+        digest = frames.canonical(frame)
+        replayed = instance.replay(frame.message_id, digest)
+        if replayed is not None:
+            fresh = dict(replayed, deduplicated=True)
+            if "lease" in fresh:  # the receipt is the original; the lease is now's
+                fresh["lease"] = await self._lease_now(instance, frame)
+            link.send(frames.ack(frame.message_id, session.session_id, fresh))
+            return
+        earlier = instance.in_flight(frame.message_id, digest)
+        if earlier is not None:
+            # The same operation is still being applied (sent again over a new
+            # connection before the first one's answer): its answer is this one's.
+            try:
+                first = await asyncio.shield(earlier)
+            except ProtocolError:
+                first = None  # it failed: this one is tried on its own
+            if first is not None:
+                link.send(frames.ack(frame.message_id, session.session_id,
+                                     {**first, "deduplicated": True}))
+                return
+        with instance.applying(frame.message_id, digest) as done:
+            reply = await self._apply(instance, session, frame)
+            instance.remember(frame.message_id, digest, reply)
+            done.set_result(reply)
+        link.send(frames.ack(frame.message_id, session.session_id, reply))
+
+    async def _closing(self, link: Link, session: Session | None, closing: Closing) -> None:
+        logger.info("pulse gateway: closing the connection of %s: %s",
+                    _sid(session) or "a worker before its hello", closing.reason)
+        if closing.error is not None:
+            with suppress_closing():
+                link.send(frames.error_frame(closing.error, _sid(session)))
+        await link.close(closing.code, closing.reason)
 
     # -- helpers ----------------------------------------------------------------------
     def _decode(self, link: Link, data: str | bytes, session_id: str | None) -> Frame | None:
@@ -327,6 +307,7 @@ class Gateway(Operations):
             fresh = await self._store(self.credentials.get_credential, credential.credential_id)
             if fresh is None:
                 raise Unauthenticated()
+            self._credentials_now[fresh.credential_id] = fresh
             fresh.require(CONSUME, queue)
         except Unauthenticated as exc:
             raise ProtocolError(Code.UNAUTHENTICATED, exc.message) from None
@@ -334,14 +315,16 @@ class Gateway(Operations):
             raise ProtocolError(Code.FORBIDDEN, exc.message) from None
         return fresh
     def _replaced(self, previous: Session) -> None:
-        link = self._links.pop(previous.session_id, None)
+        self._end_session(previous, ProtocolError(Code.SESSION_MISMATCH, REPLACED))
+
+    def _end_session(self, session: Session, error: ProtocolError) -> None:
+        """Tell a session's connection why it ends (unsolicited), and close it."""
+        link = self._links.pop(session.session_id, None)
         if link is not None:
-            error = ProtocolError(Code.SESSION_MISMATCH,
-                                  "a newer session of this instance replaced this one")
             with suppress_closing():
-                link.send(frames.error_frame(error, previous.session_id))
+                link.send(frames.error_frame(error, session.session_id))
             asyncio.get_running_loop().create_task(
-                link.close(CloseCode.POLICY_VIOLATION, "session replaced"))
+                link.close(CloseCode.POLICY_VIOLATION, error.code))
 
     # -- running ----------------------------------------------------------------------
     async def heartbeats(self) -> None:
@@ -375,15 +358,13 @@ class Gateway(Operations):
             # accept: a connection saying nothing gives its place back in time.
             open_timeout=self.limits.hello_timeout, logger=wire_logger("server"))
 
-def _refuse(conn: ServerConnection, status: HTTPStatus, text: str) -> Response:
-    response = conn.respond(status, text + "\n")
-    response.headers = Headers(response.headers)
-    return response
-
-def _overloaded(conn: ServerConnection, why: str) -> Response:
-    response = _refuse(conn, HTTPStatus.SERVICE_UNAVAILABLE, f"{Code.OVERLOADED}: {why}")
-    response.headers["Retry-After"] = "1"
-    return response
+def _order_key(frame: Frame) -> str:
+    """What a frame is applied in order with: its attempt's other frames, or its kind's."""
+    body = frame.body
+    ref = body.ref if isinstance(body, frames.Finish) else body
+    if isinstance(ref, frames.AttemptRef):
+        return "attempt:" + ref.attempt_id
+    return "type:" + frame.type
 
 
 def _sid(session: Session | None) -> str | None:

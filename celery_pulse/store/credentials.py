@@ -230,6 +230,12 @@ class CredentialStore(abc.ABC):
     def get_credential(self, credential_id: str) -> Credential | None:
         """The credential with this id, revoked or not; None if there is none."""
 
+    def get_credentials(self, credential_ids: Iterable[str]) -> dict[str, Credential]:
+        """Each of these credentials there is, by id, revoked or not (a gateway reads its
+        sessions' credentials at once; a store may do it in one statement)."""
+        found = {i: self.get_credential(i) for i in set(credential_ids)}
+        return {i: c for i, c in found.items() if c is not None}
+
     @abc.abstractmethod
     def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
                 queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:

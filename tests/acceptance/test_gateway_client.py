@@ -23,7 +23,7 @@ from celery_pulse.gateway.frames import ProtocolError
 from celery_pulse.store.sql import SqlStore
 from tests.helpers.gateway import claim_of, evidence_of
 from tests.helpers.proxy import Proxy
-from tests.helpers.workers import Env
+from tests.helpers.workers import Env, wait_for
 
 CAPABILITIES = [{"handler": "opsapp.noop", "handler_version": "1", "payload_version": "1"}]
 
@@ -115,6 +115,9 @@ def test_a_revoked_credential_ends_the_client(
         env: Env, make_client: Callable[..., GatewayClient]) -> None:
     client = make_client(capacity=1)
     assert env.celery("pulse", "credentials", "revoke", "runner").returncode == 0
+    # The gateway ends the session at its next check of its sessions' credentials
+    # (once a second), unasked: the client gives up.
+    wait_for(lambda: client.fatal is not None, 5, "the revocation to end the client")
     with pytest.raises(ProtocolError) as info:
         client.declare(1)
     assert info.value.code == "UNAUTHENTICATED"

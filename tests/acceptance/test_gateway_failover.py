@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.result import AsyncResult
+from websockets.exceptions import ConnectionClosed
 
 from celery_pulse.store.sql import SqlStore
 from tests.helpers.gateway import GatewayProcess, Peer, claim_of, evidence_of, hello_body
@@ -144,6 +145,38 @@ def test_another_gateway_answers_an_attempt_it_never_assigned_and_counts_it(
     # A made-up attempt is still nobody's.
     forged = dict(_ref(second), attempt_id=secrets.token_hex(16))
     assert third.error("task.start", forged) == "NOT_FOUND"
+
+
+def test_a_revoked_credential_ends_its_sessions_on_every_gateway_within_seconds(
+        env: Env, gateway: GatewayProcess, start_gateway: Callable[..., GatewayProcess],
+        open_peer: Callable[..., Peer]) -> None:
+    """Operations check the credential each gateway read at its last check (no store
+    round trip per frame); revocation still ends every session of it, busy or idle, on
+    every gateway, within a check (1 s) of the revocation."""
+    other = start_gateway()
+    busy = _join(open_peer, gateway, hello_body(queue=env.queue, capacity=1), sequence=1)
+    idle = _join(open_peer, other, hello_body(queue=env.queue, capacity=1), sequence=1)
+    assert env.celery("pulse", "credentials", "revoke", "runner").returncode == 0
+    revoked = time.monotonic()
+    codes: list[str] = []
+    while not codes and time.monotonic() < revoked + 10:
+        # The busy one keeps operating (a repeat of its declaration) until it is refused,
+        # told unasked that its session ended, or closed (the close names the code).
+        try:
+            busy.send("worker.capacity", {"sequence": "1", "capacity": 1, "drain": False})
+            reply = busy.recv(timeout=5)
+        except ConnectionClosed as exc:
+            assert exc.rcvd is not None and exc.rcvd.code == 1008, exc
+            codes.append(exc.rcvd.reason)
+        else:
+            if reply["type"] == "error":
+                codes.append(reply["error"]["code"])
+                assert busy.closed_with() == 1008
+    ended = idle.recv(timeout=5)
+    assert ended["type"] == "error" and ended["error"]["code"] == "UNAUTHENTICATED", ended
+    assert idle.closed_with() == 1008
+    assert codes == ["UNAUTHENTICATED"]
+    assert time.monotonic() - revoked < 3.0
 
 
 def _runs(folder: Path) -> collections.Counter[int]:

@@ -11,7 +11,7 @@ Times are the store clock's.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -126,3 +126,12 @@ class SqlCredentials(CredentialStore):
             return None
         with self._read("get credential") as conn:
             return self._by(conn, credentials.c.credential_id == credential_id)
+
+    def get_credentials(self, credential_ids: Iterable[str]) -> dict[str, Credential]:
+        wanted = sorted({i for i in credential_ids if is_credential_id(i)})
+        if not wanted:
+            return {}
+        with self._read("get credentials") as conn:
+            rows = conn.execute(sa.select(*_RECORD).where(
+                credentials.c.credential_id.in_(wanted)))
+            return {row.credential_id: _record(row) for row in rows}
