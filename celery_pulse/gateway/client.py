@@ -60,7 +60,7 @@ from celery_pulse.gateway.replies import (
 
 #: The records, re-exported: :mod:`celery_pulse.gateway.worker` and tests import them here.
 __all__ = ["FATAL", "KEPT", "SAFETY_MARGIN", "Answer", "Assigned", "GatewayClient",
-           "GatewayClosed"]
+           "GatewayClosed", "Pending"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,33 +169,54 @@ class GatewayClient:
         return self.call("worker.capacity", body)
 
     def start_task(self, assigned: Assigned) -> Answer:
-        return self._on_attempt("task.start", assigned.ref)
+        return self.attempt_answer(assigned, self.submit("task.start", assigned.ref))
 
     def renew(self, assigned: Assigned) -> Answer:
-        return self._on_attempt("task.renew", assigned.ref)
+        return self.attempt_answer(assigned, self.submit("task.renew", assigned.ref))
 
     def finish(self, assigned: Assigned, outcome: str, result: Any,
                error_code: str | None = None) -> Answer:
+        return self.finish_answer(assigned, self.submit_finish(assigned, outcome, result,
+                                                               error_code))
+
+    def submit_finish(self, assigned: Assigned, outcome: str, result: Any,
+                      error_code: str | None = None) -> Pending:
         body: dict[str, Any] = {"ref": dict(assigned.ref), "outcome": outcome,
                                 "result": result}
         if error_code is not None:
             body["error_code"] = error_code
-        try:
-            return self.call("task.finish", body)
-        finally:
-            self.forget(assigned.ref)
+        return self.submit("task.finish", body)
 
-    def _on_attempt(self, kind: str, ref: Mapping[str, str]) -> Answer:
+    def finish_answer(self, assigned: Assigned, pending: Pending) -> Answer:
+        """A finish's answer; the attempt is over whatever it says, unless the gateway
+        could not answer (``UNAVAILABLE``, ``INTERNAL``): then it is kept, for the
+        finish to be sent again."""
         try:
-            return self.call(kind, dict(ref))
+            answer = self.answer(pending)
+        except ProtocolError as exc:
+            if exc.code not in (Code.UNAVAILABLE, Code.INTERNAL):
+                self.forget(assigned.ref)
+            raise
+        self.forget(assigned.ref)
+        return answer
+
+    def attempt_answer(self, assigned: Assigned, pending: Pending) -> Answer:
+        """A start's or renewal's answer; a lost attempt is forgotten."""
+        try:
+            return self.answer(pending)
         except ProtocolError as exc:
             if exc.code in (Code.LEASE_LOST, Code.NOT_FOUND):
-                self.forget(ref, lost_only=True)
+                self.forget(assigned.ref, lost_only=True)
             raise
 
     def call(self, kind: str, body: Mapping[str, Any], timeout: float = 60.0) -> Answer:
         """Send one operation until it is answered (across reconnects); its answer, or
         the gateway's error as :class:`ProtocolError`."""
+        return self.answer(self.submit(kind, body), timeout)
+
+    def submit(self, kind: str, body: Mapping[str, Any]) -> Pending:
+        """Send one operation without waiting: several are under way at once (the
+        gateway applies them side by side), each answered by :meth:`answer`."""
         message_id = frames.new_id()
         pending = Pending({"protocol_version": frames.PROTOCOL_VERSION, "type": kind,
                             "message_id": message_id, "body": dict(body)})
@@ -203,8 +224,13 @@ class GatewayClient:
             if self._fatal is not None:
                 raise self._fatal
             self._pending[message_id] = pending
+        self._send(pending)
+        return pending
+
+    def answer(self, pending: Pending, timeout: float = 60.0) -> Answer:
+        """The answer to a :meth:`submit`, once it comes (sent again on reconnects)."""
+        kind, message_id = pending.frame["type"], pending.frame["message_id"]
         try:
-            self._send(pending)
             if not pending.done.wait(timeout):
                 raise ProtocolError(Code.UNAVAILABLE, f"no answer to {kind} in {timeout:g} s")
         finally:

@@ -157,16 +157,16 @@ class Cluster:
             adopted.append(attempt)
         instance.adopt(adopted, live={a.attempt_id for a in adopted})
 
-    def _recorder(self, instance: Instance) -> Callable[[Attempt], None] | None:
-        """What the feeder calls (in its thread) before an assignment is sent."""
+    def _recorder(self, instance: Instance) -> Callable[[list[Attempt]], None] | None:
+        """What the feeder calls (in its thread) before assignments are sent."""
         state = self.state
         if state is None:
             return None
 
-        def record(attempt: Attempt) -> None:
-            state.record_attempt(AttemptRecord(
-                attempt.attempt_id, instance.instance_id, attempt.task_id,
-                attempt.wire_task_id, attempt.epoch, digest(attempt.token), attempt.task_name))
+        def record(attempts: list[Attempt]) -> None:
+            state.record_attempts([AttemptRecord(
+                a.attempt_id, instance.instance_id, a.task_id, a.wire_task_id, a.epoch,
+                digest(a.token), a.task_name) for a in attempts])
         return record
 
     # -- the watch: one loop per gateway, once a ``session_check`` ---------------------

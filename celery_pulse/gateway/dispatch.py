@@ -10,9 +10,11 @@ The rules, before any code:
   nothing. If the store can't be reached the delivery goes back to the broker and the
   feeder waits: never unowned work.
 * **Within capacity.** The feeder consumes only while the instance has a free slot
-  (declared capacity minus attempts held), one delivery unacknowledged at a time; with
-  no room it stops consuming and hands back a delivery already on its way, so an
-  instance never sits on a task another one could run.
+  (declared capacity minus attempts held), with as many deliveries unacknowledged as
+  the capacity; those the broker has sent are reserved together, in one statement, and
+  their attempts recorded in one more. With no room it stops consuming and hands back a
+  delivery already on its way, so an instance never sits on a task another one could
+  run.
 * **Fenced by the store.** ``task.start``, ``task.renew`` and ``task.finish`` are the
   store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
   token): a stale attempt can't start, renew or finish; its late finish is kept as
@@ -79,11 +81,16 @@ class Feeder(threading.Thread):
     def __init__(self, app: Any, store: Store, holder: str, queue: str, *, lease_ttl: float,
                  on_lost: str | None, max_attempts: int, free: Callable[[], int],
                  on_assign: Callable[[Assignment], None],
-                 record: Callable[[Attempt], None] | None = None) -> None:
+                 record: Callable[[list[Attempt]], None] | None = None,
+                 prefetch: int = 1) -> None:
         super().__init__(name=f"pulse-gateway-feeder-{queue}", daemon=True)
         self.app, self.store, self.holder, self.queue = app, store, holder, queue
         self.lease_ttl, self.on_lost, self.max_attempts = lease_ttl, on_lost, max_attempts
         self.free, self.on_assign, self.record = free, on_assign, record
+        #: Deliveries the broker may send ahead (the instance's capacity): received in
+        #: one drain, reserved in one statement.
+        self.prefetch = prefetch
+        self._batch: list[tuple[Any, ReserveRequest]] = []
         self._stop = threading.Event()
         self._room = threading.Event()
 
@@ -113,7 +120,7 @@ class Feeder(threading.Thread):
         queue = self.app.amqp.queues[self.queue]  # declared as a Celery worker would
         with self.app.connection_for_read() as conn, conn.Consumer(
                 [queue], on_message=self._on_message, accept=self.app.conf.accept_content,
-                prefetch_count=1, auto_declare=True) as consumer:
+                prefetch_count=max(1, self.prefetch), auto_declare=True) as consumer:
             consuming = True
             while not self._stop.is_set():
                 room = self.free() > 0
@@ -128,9 +135,17 @@ class Feeder(threading.Thread):
                     if not room:
                         self._room.wait(0.5)
                         self._room.clear()
+                    continue
+                # What else the broker has already sent joins the batch (no waiting).
+                while self._batch and len(self._batch) < self.free():
+                    try:
+                        conn.drain_events(timeout=0)
+                    except TimeoutError:
+                        break
+                self._flush()
 
     def _on_message(self, message: Any) -> None:
-        if self.free() <= 0:  # sent before consumption stopped: the broker keeps it
+        if self.free() - len(self._batch) <= 0:  # sent before consumption stopped
             message.requeue()
             return
         headers = message.headers or {}
@@ -145,39 +160,53 @@ class Feeder(threading.Thread):
             task_id, name, capture(message), policy_for(task, self.on_lost),
             int(getattr(task, "pulse_max_attempts", None) or self.max_attempts),
             int(headers.get("retries") or 0), publication_of(headers))
+        self._batch.append((message, request))
+
+    def _flush(self) -> None:
+        """Reserve the batch in one statement, acknowledge it, record its attempts in
+        one more, then assign them."""
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
         sent = time.monotonic()
         try:
-            [answer] = self.store.reserve(self.holder, [request], self.lease_ttl)
+            answers = self.store.reserve(self.holder, [r for _, r in batch], self.lease_ttl)
         except PulseError as exc:
-            # Not reserved: the broker keeps it (another worker, or this one later).
-            logger.warning("pulse gateway: could not reserve %s[%s] (%s); back to the broker",
-                           name, task_id, exc)
-            message.requeue()
+            # Not reserved: the broker keeps them (another worker, or this one later).
+            logger.warning("pulse gateway: could not reserve %d task(s) on %s (%s); back to "
+                           "the broker", len(batch), self.queue, exc)
+            for message, _ in batch:
+                message.requeue()
             if isinstance(exc, StoreUnavailable):
                 self._stop.wait(1.0)
             return
-        message.ack()
-        if not isinstance(answer, Grant):
-            logger.warning("pulse gateway: duplicate delivery of %s[%s] dropped: %s (holder "
-                           "%s, epoch %d)", name, task_id, answer.reason, answer.holder,
-                           answer.epoch)
-            return
-        attempt = Attempt(task_id, wire_task_id(task_id), new_id(), answer.epoch, answer.token,
-                          name, answer.lease_until, sent + self.lease_ttl)
-        if self.record is not None:
-            try:  # before it is sent: any gateway must know the attempt it names
-                self.record(attempt)
+        granted: list[Assignment] = []
+        for (message, request), answer in zip(batch, answers, strict=True):
+            message.ack()
+            if not isinstance(answer, Grant):
+                logger.warning("pulse gateway: duplicate delivery of %s[%s] dropped: %s "
+                               "(holder %s, epoch %d)", request.task_name, request.task_id,
+                               answer.reason, answer.holder, answer.epoch)
+                continue
+            attempt = Attempt(request.task_id, wire_task_id(request.task_id), new_id(),
+                              answer.epoch, answer.token, request.task_name,
+                              answer.lease_until, sent + self.lease_ttl)
+            granted.append(Assignment(attempt, request.message))
+        if granted and self.record is not None:
+            try:  # before they are sent: any gateway must know the attempts they name
+                self.record([a.attempt for a in granted])
             except PulseError as exc:
-                logger.warning("pulse gateway: could not record the attempt of %s[%s] (%s); "
-                               "released for Recover", name, task_id, exc)
-                self._release(attempt)
+                logger.warning("pulse gateway: could not record %d attempt(s) (%s); released "
+                               "for Recover", len(granted), exc)
+                self._release([a.attempt for a in granted])
                 return
-        self.on_assign(Assignment(attempt, request.message))
+        for assignment in granted:
+            self.on_assign(assignment)
 
-    def _release(self, attempt: Attempt) -> None:
-        """Hand a grant never sent back to Recover now, rather than at its expiry."""
-        with contextlib.suppress(PulseError):  # else its lease expires, Recover takes it
-            self.store.release(self.holder, [(attempt.task_id, attempt.epoch, attempt.token)],
+    def _release(self, attempts: list[Attempt]) -> None:
+        """Hand grants never sent back to Recover now, rather than at their expiry."""
+        with contextlib.suppress(PulseError):  # else their leases expire, Recover takes them
+            self.store.release(self.holder, [(a.task_id, a.epoch, a.token) for a in attempts],
                                never_ran=True)
 
 

@@ -40,7 +40,8 @@ class Limits:
     #: Credential lookups in the store at once (the rest of the handshakes wait).
     credential_checks: int = 2
     inbound_frames: int = 4
-    outbound_frames: int = 8
+    #: Frames waiting to be written: half for assignments (a feeder's batch at most).
+    outbound_frames: int = 16
     hello_timeout: float = 5.0
     read_idle: float = 60.0
     write_timeout: float = 5.0

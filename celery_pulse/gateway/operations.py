@@ -224,9 +224,12 @@ class Operations(Cluster):
 
         def free() -> int:
             link = self._link_of(instance)
-            if link is None or link.pending() * 2 >= self.limits.outbound_frames:
-                return 0  # half the outbound queue stays for replies
-            return instance.free(time.monotonic())
+            if link is None:
+                return 0
+            # Half the outbound queue stays for replies: a batch of assignments never
+            # fills it (a full queue is a slow consumer's, and closes its connection).
+            outbound = self.limits.outbound_frames // 2 - link.pending()
+            return max(0, min(outbound, instance.free(time.monotonic())))
 
         def on_assign(assignment: Assignment) -> None:
             # Counted at once, in the feeder's thread: its next look at free() must see it.
@@ -236,7 +239,8 @@ class Operations(Cluster):
         feeder = Feeder(self.app, self.store, self._holders[instance.instance_id],
                         instance.identity.queue_id, lease_ttl=self.limits.lease_ttl,
                         on_lost=self.on_lost, max_attempts=self.max_attempts, free=free,
-                        on_assign=on_assign, record=self._recorder(instance))
+                        on_assign=on_assign, record=self._recorder(instance),
+                        prefetch=max(1, instance.capacity.capacity))
         self._feeders[instance.instance_id] = feeder
         feeder.start()
 

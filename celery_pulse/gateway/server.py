@@ -7,10 +7,13 @@ The rules, before any code:
   endpoint takes no query: a credential in the URL would end up in access logs, so any
   query string is refused before the credential is looked at.
 * **Who may connect.** ``Authorization: Bearer <token>`` only, checked in the handshake
-  against the store (hashed, :mod:`celery_pulse.store.credentials`): the credential
-  must be active and grant ``workers:connect``. Every consuming operation checks again,
-  in the store, that it is still active and grants ``workers:consume`` on the session's
-  queue: a revoked credential's sessions end at their next operation.
+  against the store (hashed, :mod:`celery_pulse.store.credentials`;
+  :mod:`~celery_pulse.gateway.handshake`): the credential must be active and grant
+  ``workers:connect``. Every consuming operation checks that it is still active and
+  grants ``workers:consume`` on the session's queue, as the gateway read it at its last
+  check (once a ``session_check``; the store is asked if that read is stale), and that
+  check itself ends every session of a revoked credential, unasked: within a second,
+  on every gateway, whether the session is busy or idle.
 * **Session.** The first frame must be ``worker.hello``, within ``hello_timeout`` of the
   accept; the instance must be the credential's and secret's in the store (the first
   hello's, on any gateway); then :mod:`celery_pulse.gateway.session` decides identity,
@@ -29,10 +32,12 @@ The rules, before any code:
   except for frames that break the transport's rules (binary: close 1003; too large:
   1009) and for authority lost mid-session (close 1008).
 
-The asyncio shell (websockets' ``serve``): the HTTP handshake and each connection's
-hello and read loop live here; what an accepted frame does, and dispatch, in
-:mod:`celery_pulse.gateway.operations`; a connection's writer and bounds in
-:mod:`celery_pulse.gateway.link`; the protocol's rules, with no I/O, in
+The asyncio shell (websockets' ``serve``): each connection's hello and read loop live
+here (its frames applied side by side, each attempt's in order: :mod:`.ordering`); the
+handshake in :mod:`~celery_pulse.gateway.handshake`; what an accepted frame does, and
+dispatch, in :mod:`celery_pulse.gateway.operations` and what every gateway process shares
+through the store in :mod:`~celery_pulse.gateway.cluster`; a connection's writer and
+bounds in :mod:`celery_pulse.gateway.link`; the protocol's rules, with no I/O, in
 :mod:`celery_pulse.gateway.frames`, :mod:`~celery_pulse.gateway.session` and
 :mod:`~celery_pulse.gateway.receipts`. An instance with a current session is a
 registered worker (:mod:`celery_pulse.gateway.presence`), as a direct worker is.

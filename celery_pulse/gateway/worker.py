@@ -28,12 +28,12 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
-from celery_pulse.gateway.client import Answer, Assigned, GatewayClient
+from celery_pulse.gateway.client import Answer, Assigned, GatewayClient, Pending
 from celery_pulse.gateway.frames import Code, ProtocolError
 from celery_pulse.settings import Settings
 from celery_pulse.store.base import (
@@ -43,6 +43,7 @@ from celery_pulse.store.base import (
     SUCCEEDED,
     ClaimStore,
     Completion,
+    Exchanged,
     Grant,
     Heartbeat,
     LeaseKey,
@@ -55,6 +56,9 @@ from celery_pulse.store.base import (
 from celery_pulse.store_urls import mask_url
 
 logger = logging.getLogger(__name__)
+
+#: One operation sent about a lease: its task id, its assignment, the answer to come.
+_Asked = tuple[str, Assigned, Pending]
 
 #: Claim outcomes as the protocol's, with the error code a failure carries.
 OUTCOMES = {SUCCEEDED: ("SUCCEEDED", None), FAILED: ("FAILED", "celery.failure"),
@@ -136,21 +140,70 @@ class GatewayStore(RegistryStore, ClaimStore):
             return None
         return found
 
-    def _ask_each(self, leases: Sequence[LeaseKey], ask: Callable[[Assigned], Answer]
-                  ) -> Iterator[tuple[str, Answer | ProtocolError]]:
-        """``ask`` the gateway about each lease it assigned us (the others are skipped:
-        not ours, lost): each task's answer, or the refusal it met. A refusal that says
-        the gateway could not answer is :class:`StoreUnavailable`, raised."""
+    def _submit_each(self, leases: Sequence[LeaseKey], kind: str) -> list[_Asked]:
+        """Send ``kind`` for each lease the gateway assigned us (the others are skipped:
+        not ours, lost), without waiting for any answer."""
+        asked = []
         for task_id, epoch, token in leases:
             assigned = self._find(task_id, epoch, token)
-            if assigned is None:
-                continue
+            if assigned is not None:
+                asked.append((task_id, assigned, self.client.submit(kind, assigned.ref)))
+        return asked
+
+    def _collect(self, asked: list[_Asked]
+                 ) -> tuple[list[tuple[str, Answer | ProtocolError]], ProtocolError | None]:
+        """Each task's answer, or the refusal it met; and the refusal saying the gateway
+        could not answer, if one did (the caller raises it, once every answer is in)."""
+        answers: list[tuple[str, Answer | ProtocolError]] = []
+        unavailable: ProtocolError | None = None
+        for task_id, assigned, pending in asked:
             try:
-                answer: Answer | ProtocolError = ask(assigned)
+                answer: Answer | ProtocolError = self.client.attempt_answer(assigned, pending)
             except ProtocolError as exc:
-                self._raise_if_unavailable(exc)
+                if exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
+                    unavailable = exc
                 answer = exc
-            yield task_id, answer
+            answers.append((task_id, answer))
+        return answers, unavailable
+
+    def _submit_finishes(self, completions: Sequence[Completion]
+                         ) -> tuple[dict[str, str], list[tuple[Completion, _Asked]]]:
+        out: dict[str, str] = {}
+        sent = []
+        for c in completions:
+            assigned = self._find(c.task_id, c.epoch, c.token)
+            if assigned is None:
+                out[c.task_id] = "evidence"
+                continue
+            outcome, code = OUTCOMES.get(c.outcome, ("FAILED", "celery.retry_unsupported"))
+            result: Any = {"error": (c.error or "")[:2000]}
+            if c.result is not None and c.result.value is not None:
+                result = {"celery_meta": json.loads(c.result.value)}
+            pending = self.client.submit_finish(assigned, outcome, result, code)
+            sent.append((c, (c.task_id, assigned, pending)))
+        return out, sent
+
+    def _collect_finishes(self, out: dict[str, str], sent: list[tuple[Completion, _Asked]]
+                          ) -> ProtocolError | None:
+        unavailable: ProtocolError | None = None
+        for c, (_, assigned, pending) in sent:
+            try:
+                answer = self.client.finish_answer(assigned, pending)
+            except ProtocolError as exc:
+                if exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
+                    unavailable = exc  # kept: the finish is sent again when retried
+                    continue
+                out[c.task_id] = "evidence"
+            else:
+                out[c.task_id] = ANSWERS.get(answer.disposition or "", "evidence")
+            self._forget(c.task_id, c.epoch)
+        return unavailable
+
+    @staticmethod
+    def _started(answers: list[tuple[str, Answer | ProtocolError]]) -> dict[str, float]:
+        # (refused: lost; its finish, if any, is evidence)
+        return {task_id: 0.0 for task_id, answer in answers
+                if not isinstance(answer, ProtocolError) and answer.active}
 
     def _forget(self, task_id: str, epoch: int) -> None:
         found = self.client.assigned_for(task_id, epoch)
@@ -206,18 +259,17 @@ class GatewayStore(RegistryStore, ClaimStore):
     def start_many(self, holder: str, leases: Sequence[LeaseKey], ttl: float,
                    permits: Mapping[str, Sequence[Any]] | None = None,
                    waiting: set[str] | None = None) -> dict[str, float]:
-        started: dict[str, float] = {}
-        for task_id, answer in self._ask_each(leases, self.client.start_task):
-            # (refused: lost; its finish, if any, is evidence)
-            if not isinstance(answer, ProtocolError) and answer.active:
-                started[task_id] = 0.0
-        return started
+        answers, unavailable = self._collect(self._submit_each(leases, "task.start"))
+        self._raise_if_unavailable(unavailable)
+        return self._started(answers)
 
     def renew(self, holder: str, leases: Sequence[LeaseKey], ttl: float
               ) -> tuple[set[str], set[str]]:
         renewed: set[str] = set()
         busy: set[str] = set()
-        for task_id, answer in self._ask_each(leases, self.client.renew):
+        answers, unavailable = self._collect(self._submit_each(leases, "task.renew"))
+        self._raise_if_unavailable(unavailable)
+        for task_id, answer in answers:
             if isinstance(answer, ProtocolError):
                 if answer.code == Code.STATE_CONFLICT:  # not started: valid, not extended
                     busy.add(task_id)
@@ -228,25 +280,25 @@ class GatewayStore(RegistryStore, ClaimStore):
 
     def complete(self, holder: str, completions: Sequence[Completion],
                  counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for c in completions:
-            assigned = self._find(c.task_id, c.epoch, c.token)
-            if assigned is None:
-                out[c.task_id] = "evidence"
-                continue
-            outcome, code = OUTCOMES.get(c.outcome, ("FAILED", "celery.retry_unsupported"))
-            result: Any = {"error": (c.error or "")[:2000]}
-            if c.result is not None and c.result.value is not None:
-                result = {"celery_meta": json.loads(c.result.value)}
-            try:
-                answer = self.client.finish(assigned, outcome, result, code)
-            except ProtocolError as exc:
-                self._raise_if_unavailable(exc)
-                out[c.task_id] = "evidence"
-            else:
-                out[c.task_id] = ANSWERS.get(answer.disposition or "", "evidence")
-            self._forget(c.task_id, c.epoch)
+        out, sent = self._submit_finishes(completions)  # all sent, then all awaited
+        self._raise_if_unavailable(self._collect_finishes(out, sent))
         return out
+
+    def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                 reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+                 permits: Mapping[str, Sequence[Any]] | None = None) -> Exchanged:
+        """The worker's hot path: its finishes and starts all sent before the first
+        answer is awaited (the gateway applies them side by side, each attempt's in
+        order), so an exchange costs one round trip to the gateway, not one per task.
+        If it raises, a start that did apply is answered ``APPLIED`` again when sent
+        again, and a finish ``DUPLICATE``."""
+        out, sent = self._submit_finishes(completions)
+        starting = self._submit_each(starts, "task.start")
+        unavailable = self._collect_finishes(out, sent)
+        answers, refused = self._collect(starting)
+        self._raise_if_unavailable(unavailable or refused)
+        return Exchanged(out, self.reserve(holder, reserves, ttl) if reserves else [],
+                         self._started(answers), {}, frozenset())
 
     def release(self, holder: str, leases: Sequence[LeaseKey], *,
                 never_ran: bool = False) -> int:
@@ -271,6 +323,6 @@ class GatewayStore(RegistryStore, ClaimStore):
         return {}
 
     @staticmethod
-    def _raise_if_unavailable(exc: ProtocolError) -> None:
-        if exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
+    def _raise_if_unavailable(exc: ProtocolError | None) -> None:
+        if exc is not None and exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
             raise StoreUnavailable(f"the gateway could not answer: {exc.message}") from exc

@@ -12,7 +12,7 @@ The rules, before any code:
 * **Capacity with the instance.** The declared capacity (sequence, value, drain) is
   written by the session holding the current generation only (:meth:`declare`), and read
   back by the next session wherever it opens, so a drain survives a restart.
-* **Attempts by id.** Every ``task.assign`` is recorded (:meth:`record_attempt`) before it
+* **Attempts by id.** Every ``task.assign`` is recorded (:meth:`record_attempts`) before it
   is sent, with the claim token as a digest only: a frame naming an attempt a gateway
   never saw is checked against the record and the claim, never trusted. Records of
   attempts whose claims no longer run are purged after a while (:meth:`purge_attempts`).
@@ -88,8 +88,8 @@ class GatewayState(abc.ABC):
         a newer session replaced it, nothing written)."""
 
     @abc.abstractmethod
-    def record_attempt(self, record: AttemptRecord) -> None:
-        """Keep an assignment before it is sent."""
+    def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
+        """Keep assignments before they are sent (one statement for a batch)."""
 
     @abc.abstractmethod
     def find_attempt(self, attempt_id: str) -> AttemptRecord | None:
@@ -144,9 +144,10 @@ class MemoryGatewayState(GatewayState):
             row[2:] = [sequence, capacity, drain]
             return True
 
-    def record_attempt(self, record: AttemptRecord) -> None:
+    def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
         with self._lock:
-            self._attempts[record.attempt_id] = (record, self._clock())
+            for record in records:
+                self._attempts[record.attempt_id] = (record, self._clock())
 
     def find_attempt(self, attempt_id: str) -> AttemptRecord | None:
         with self._lock:

@@ -96,7 +96,7 @@ def test_attempts_are_found_by_id_and_live_ones_counted_with_their_state(
     records = {g.task_id: _record(instance_id, g.task_id, g.epoch, g.token)
                for g in (running, reserved, done)}
     for record in records.values():
-        state.record_attempt(record)
+        state.record_attempts([record])
     found = state.find_attempt(records[running.task_id].attempt_id)
     assert found == records[running.task_id]
     assert state.find_attempt(uuid.uuid4().hex) is None
@@ -114,8 +114,8 @@ def test_the_purge_keeps_attempts_whose_claims_still_run(store: Store) -> None:
     store.complete(HOLDER, [Completion(done.task_id, done.epoch, done.token, SUCCEEDED, None)])
     kept = _record(instance_id, running.task_id, running.epoch, running.token)
     gone = _record(instance_id, done.task_id, done.epoch, done.token)
-    state.record_attempt(kept)
-    state.record_attempt(gone)
+    state.record_attempts([kept])
+    state.record_attempts([gone])
     assert state.purge_attempts(store.now() - 3600) == 0  # none old enough
     assert state.purge_attempts(store.now() + 1) == 1
     assert state.find_attempt(kept.attempt_id) == kept

@@ -75,11 +75,13 @@ class SqlGatewayState(GatewayState):
                 .values(capacity_sequence=sequence, capacity=capacity, drain=drain)
             ).rowcount == 1
 
-    def record_attempt(self, record: AttemptRecord) -> None:
-        values = {c.name: getattr(record, c.name) for c in _ATTEMPT}
-        with self.conns.writing("record gateway attempt") as conn:
+    def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
+        if not records:
+            return
+        rows = [{c.name: getattr(r, c.name) for c in _ATTEMPT} for r in records]
+        with self.conns.writing("record gateway attempts") as conn:
             conn.execute(sa.insert(gateway_attempts).values(
-                **values, created_at=self.conns.now))
+                [dict(row, created_at=self.conns.now) for row in rows]))
 
     def find_attempt(self, attempt_id: str) -> AttemptRecord | None:
         with self.conns.reading("find gateway attempt") as conn:
