@@ -9,12 +9,12 @@ The rules, before any code:
   the broker: from then on the claim row owns the task, and the gateway dying loses
   nothing. If the store can't be reached the delivery goes back to the broker and the
   feeder waits: never unowned work.
-* **Within capacity.** The feeder consumes only while the instance has a free slot
-  (declared capacity minus attempts held), with as many deliveries unacknowledged as
-  the capacity; those the broker has sent are reserved together, in one statement, and
-  their attempts recorded in one more. With no room it stops consuming and hands back a
-  delivery already on its way, so an instance never sits on a task another one could
-  run.
+* **Within capacity.** The broker may send a feeder as many deliveries ahead as the
+  instance's declared capacity (its prefetch, as a direct worker's): those it has sent
+  are reserved together while the instance has free slots (capacity minus attempts
+  held), in one statement, and their attempts recorded in one more. Deliveries beyond
+  the free slots wait unacknowledged until a finish frees one; they are the broker's
+  until reserved, so a feeder that stops (its instance gone) hands them back.
 * **Fenced by the store.** ``task.start``, ``task.renew`` and ``task.finish`` are the
   store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
   token): a stale attempt can't start, renew or finish; its late finish is kept as
@@ -120,34 +120,34 @@ class Feeder(threading.Thread):
         queue = self.app.amqp.queues[self.queue]  # declared as a Celery worker would
         with self.app.connection_for_read() as conn, conn.Consumer(
                 [queue], on_message=self._on_message, accept=self.app.conf.accept_content,
-                prefetch_count=max(1, self.prefetch), auto_declare=True) as consumer:
-            consuming = True
+                prefetch_count=max(1, self.prefetch), auto_declare=True):
             while not self._stop.is_set():
-                room = self.free() > 0
-                # No room: stop consuming, so the broker gives this instance nothing to
-                # hold; a delivery already on its way is handed back (_on_message).
-                if room != consuming:
-                    (consumer.consume if room else consumer.cancel)()
-                    consuming = room
-                try:
-                    conn.drain_events(timeout=0.5 if room else 0.05)
-                except TimeoutError:
-                    if not room:
-                        self._room.wait(0.5)
-                        self._room.clear()
+                if self._batch:
+                    if self.free() > 0:
+                        self._flush()
+                        continue
+                    # Full: the deliveries received wait, unacknowledged, for a finish
+                    # to free a slot (room() wakes this at once).
+                    self._room.wait(0.05)
+                    self._room.clear()
+                    self._drain_ready(conn)
                     continue
-                # What else the broker has already sent joins the batch (no waiting).
-                while self._batch and len(self._batch) < self.free():
-                    try:
-                        conn.drain_events(timeout=0)
-                    except TimeoutError:
-                        break
-                self._flush()
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    continue
+                self._drain_ready(conn)
+
+    def _drain_ready(self, conn: Any) -> None:
+        """What the broker has already sent joins the batch (no waiting); up to the
+        prefetch, so the batch never outgrows what the broker may send ahead."""
+        while len(self._batch) < self.prefetch:
+            try:
+                conn.drain_events(timeout=0)
+            except TimeoutError:
+                return
 
     def _on_message(self, message: Any) -> None:
-        if self.free() - len(self._batch) <= 0:  # sent before consumption stopped
-            message.requeue()
-            return
         headers = message.headers or {}
         task_id, name = headers.get("id"), headers.get("task")
         if not task_id or not name:  # not Celery's task protocol 2: nothing to lease
@@ -165,7 +165,8 @@ class Feeder(threading.Thread):
     def _flush(self) -> None:
         """Reserve the batch in one statement, acknowledge it, record its attempts in
         one more, then assign them."""
-        batch, self._batch = self._batch, []
+        room = self.free()
+        batch, self._batch = self._batch[:room], self._batch[room:]
         if not batch:
             return
         sent = time.monotonic()

@@ -108,6 +108,9 @@ class Operations(Cluster):
                 self.presence.drain(self._holders[instance.instance_id],
                                     self._drain_requester(instance))
             self._feed(instance)
+            feeder = self._feeders.get(instance.instance_id)
+            if feeder is not None:
+                feeder.room()  # more room, maybe: look now
             return await self._welcome(instance, session)
         fenced = self._fenced(instance)
         if frame.type == "task.finish":
