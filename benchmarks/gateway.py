@@ -1,11 +1,13 @@
 """Section 10: through the lease gateway (issue 18) vs directly connected.
 
 Throughput: the same tasks, published before the worker starts, run by one ``-P pulse``
-worker with ``-c 2`` connected to the store and the broker (``direct``), and by one that
+worker with ``-c 2`` connected to the store and the broker (``direct``), by one that
 holds only a gateway credential (``gateway``: every delivery reserved by a
-``celery pulse gateway`` process on the same machine, over TLS, and each start, renewal
-and finish a round trip to it). Runs alternate; the ratio is the median of per-repeat
-ratios. Results are ignored on both sides (the throughput of results is section 1's).
+``celery pulse gateway`` process on the same machine, over TLS, and its starts, renewals
+and finishes sent to it, each exchange's all at once), and by two such workers on the
+one gateway (``two remote workers``: two / one is the gateway's scaling). Runs
+alternate; the ratio is the median of per-repeat ratios. Results are ignored on every
+side (the throughput of results is section 1's).
 
 Renewal latency: 50 gateway clients connected at once (``GatewayClient``, in threads of
 the runner), each holding one started attempt and renewing it once a second; against 50
@@ -90,11 +92,14 @@ def _credentials(store: str, queues: list[str], scratch: infra.Scratch) -> tuple
 
 def _throughput(scratch: infra.Scratch, store: str, url: str, ca: Path, variant: str,
                 task: str, args: list[Any], n: int) -> float:
+    """Tasks a second of ``variant``: ``direct``, ``gateway`` (one remote worker) or
+    ``gateway2`` (two remote workers on the one gateway, each ``-c 2``)."""
     broker = infra.BROKERS["rabbitmq"]
     queue = f"bench-gw-{uuid.uuid4().hex[:10]}"
     stop_file = scratch.path("stop")
     conf: dict[str, Any] = {"task_ignore_result": True}
-    if variant == "gateway":
+    remote = variant.startswith("gateway")
+    if remote:
         _, credentials = _credentials(store, [queue], scratch)
         conf.update(pulse_gateway_url=url, pulse_gateway_credentials=str(credentials),
                     pulse_gateway_ca=str(ca))
@@ -102,14 +107,16 @@ def _throughput(scratch: infra.Scratch, store: str, url: str, ca: Path, variant:
     try:
         infra.publish(broker, queue, [(task, args)] * n + [("bench.stop", [str(stop_file)])])
         with infra.workers() as started:
-            worker = infra.Worker(scratch, f"gw-{variant}", pool="pulse",
-                                  concurrency=CONCURRENCY, broker=broker, queue=queue,
-                                  store=None if variant == "gateway" else store, conf=conf)
-            started.append(worker)
-            ready = worker.wait_ready(timeout=60)
+            for i in range(2 if variant == "gateway2" else 1):
+                started.append(infra.Worker(scratch, f"gw-{variant}-{i}", pool="pulse",
+                                            concurrency=CONCURRENCY, broker=broker,
+                                            queue=queue, store=None if remote else store,
+                                            conf=conf))
+            ready = max(worker.wait_ready(timeout=60) for worker in started)
 
             def stopped() -> bool:
-                worker.check_alive()
+                for worker in started:
+                    worker.check_alive()
                 return stop_file.exists() and stop_file.stat().st_size > 0
             infra.wait_for(stopped, max(120.0, n / 5), f"{n} x {task} on {variant}", 0.02)
             stop = float(stop_file.read_text().split()[-1])
@@ -206,6 +213,10 @@ def _renew_direct(store: str, seconds: float) -> dict[str, float]:
     return _percentiles(latencies)
 
 
+def _by_repeat(runs: list[dict[str, Any]], variant: str) -> dict[int, float]:
+    return {r["repeat"]: r["rate"] for r in runs if r["variant"] == variant}
+
+
 def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     database_url = infra.ensure_bench_database()
     workloads = ([("noop-300", "300 no-op", "bench.noop", [], 300),
@@ -219,8 +230,8 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
             _gateway(scratch, store, tls) as url:
         for key, label, task, args, n in workloads:
             for rep in range(repeats):
-                for variant in (("direct", "gateway") if rep % 2 == 0
-                                else ("gateway", "direct")):
+                for variant in (("direct", "gateway", "gateway2") if rep % 2 == 0
+                                else ("gateway2", "gateway", "direct")):
                     infra.log(f"gateway {key} {variant} (#{rep + 1}/{repeats})")
                     rate = _throughput(scratch, store, url, tls[2], variant, task, args, n)
                     infra.log(f"  {rate:.0f} tasks/s")
@@ -245,7 +256,12 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                                                     if r["variant"] == "direct"),
                         "gateway": statistics.median(r["rate"] for r in mine
                                                      if r["variant"] == "gateway"),
-                        "ratio": statistics.median(ratios)})
+                        "ratio": statistics.median(ratios),
+                        "two": statistics.median(r["rate"] for r in mine
+                                                 if r["variant"] == "gateway2"),
+                        "two_ratio": statistics.median(
+                            _by_repeat(mine, "gateway2")[rep] / one
+                            for rep, one in _by_repeat(mine, "gateway").items())})
     return {"runs": runs, "summary": summary, "concurrency": CONCURRENCY,
             "renew": {"clients": CLIENTS, "every_s": RENEW_EVERY, "seconds": seconds,
                       "gateway": through, "direct": direct},

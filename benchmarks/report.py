@@ -1394,11 +1394,14 @@ def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:
     from benchmarks import gateway as section
 
     lines += [(section.__doc__ or "").split("\n\n", 1)[1].strip(), "",
-              "| Workload | direct (tasks/s) | through the gateway (tasks/s) | gateway / direct |",
-              "| --- | --- | --- | --- |"]
+              "| Workload | direct (tasks/s) | through the gateway (tasks/s) | gateway / direct "
+              "| two remote workers (tasks/s) | two / one |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for row in gw["summary"]:
+        two = (f"{num(row['two'])} | {ratio(row['two_ratio'])}" if "two" in row
+               else "— | —")  # reports from before issue 37 have no second worker
         lines.append(f"| {row['label']} | {num(row['direct'])} | {num(row['gateway'])} | "
-                     f"{ratio(row['ratio'])} |")
+                     f"{ratio(row['ratio'])} | {two} |")
     renew = gw["renew"]
     lines += ["", f"Renewal round trip, {renew['clients']} workers renewing once every "
               f"{renew['every_s']:g} s for {renew['seconds']:g} s:", "",

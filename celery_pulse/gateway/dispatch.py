@@ -13,8 +13,10 @@ The rules, before any code:
   instance's declared capacity (its prefetch, as a direct worker's): those it has sent
   are reserved together while the instance has free slots (capacity minus attempts
   held), in one statement, and their attempts recorded in one more. Deliveries beyond
-  the free slots wait unacknowledged until a finish frees one; they are the broker's
-  until reserved, so a feeder that stops (its instance gone) hands them back.
+  the free slots wait unacknowledged for a finish to free one, at most ``HOLD_FOR``;
+  then they go back to the broker and the feeder stops consuming until there is room,
+  so an instance never sits for long on a task another one could run. Unacknowledged,
+  they are the broker's: a feeder that stops (its instance gone) hands them back.
 * **Fenced by the store.** ``task.start``, ``task.renew`` and ``task.finish`` are the
   store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
   token): a stale attempt can't start, renew or finish; its late finish is kept as
@@ -50,6 +52,10 @@ from celery_pulse.store.base import (
 from celery_pulse.store.records import LOST_TOKEN
 
 logger = logging.getLogger(__name__)
+
+#: How long a delivery an instance has no room for waits for a slot before it goes back
+#: to the broker (a busy instance frees one within milliseconds; a full one gives it up).
+HOLD_FOR = 1.0
 
 #: The protocol's outcomes, as claim outcomes.
 OUTCOMES = {"SUCCEEDED": SUCCEEDED, "FAILED": FAILED, "UNKNOWN": NEEDS_REVIEW}
@@ -120,18 +126,38 @@ class Feeder(threading.Thread):
         queue = self.app.amqp.queues[self.queue]  # declared as a Celery worker would
         with self.app.connection_for_read() as conn, conn.Consumer(
                 [queue], on_message=self._on_message, accept=self.app.conf.accept_content,
-                prefetch_count=max(1, self.prefetch), auto_declare=True):
+                prefetch_count=max(1, self.prefetch), auto_declare=True) as consumer:
+            consuming, full_since = True, None
             while not self._stop.is_set():
                 if self._batch:
                     if self.free() > 0:
+                        full_since = None
                         self._flush()
                         continue
-                    # Full: the deliveries received wait, unacknowledged, for a finish
-                    # to free a slot (room() wakes this at once).
+                    # Full: what was received waits, unacknowledged, for a finish to
+                    # free a slot (room() wakes this at once), but not for long: held
+                    # past HOLD_FOR it goes back, and consuming stops until there is room.
+                    full_since = full_since or time.monotonic()
+                    if time.monotonic() - full_since > HOLD_FOR:
+                        for message, _ in self._batch:
+                            message.requeue()
+                        self._batch, full_since = [], None
+                        if consuming:
+                            consumer.cancel()
+                            consuming = False
+                        continue
                     self._room.wait(0.05)
                     self._room.clear()
                     self._drain_ready(conn)
                     continue
+                if not consuming:
+                    if self.free() <= 0:
+                        self._room.wait(0.5)
+                        self._room.clear()
+                        self._drain_ready(conn)  # the connection's own frames
+                        continue
+                    consumer.consume()
+                    consuming = True
                 try:
                     conn.drain_events(timeout=0.5)
                 except TimeoutError:

@@ -39,6 +39,9 @@ ROLES = ("worker", "child", "cli", "beat", "flower", "backend", "gateway")
 #: app's own connection, never this one.
 CHILD_POOL_SIZE = 1
 DEFAULT_POOL_SIZE = 4
+#: A gateway applies the operations of every worker it serves side by side, each a
+#: statement of its own, and runs a feeder per worker: its pool is at least this.
+GATEWAY_POOL_SIZE = 16
 #: The longest a thread waits for a pooled connection (see the module doc).
 POOL_TIMEOUT_S = 5.0
 #: The ``backend`` role's pool: waiters beyond ``pulse_store_pool_size``, and their wait.
@@ -59,6 +62,8 @@ def pool_arguments(role: str, pool_size: int, timeout: float) -> dict[str, Any]:
     if role == "backend":
         return {"pool_size": pool_size, "max_overflow": BACKEND_OVERFLOW,
                 "pool_timeout": BACKEND_POOL_TIMEOUT_S}
+    if role == "gateway":
+        pool_size = max(pool_size, GATEWAY_POOL_SIZE)
     return {"pool_size": CHILD_POOL_SIZE if role == "child" else pool_size,
             "max_overflow": 0, "pool_timeout": timeout}
 
