@@ -45,12 +45,16 @@ class _RecoverLog:
               help="Of those, held by one credential [half].")
 @click.option("--read-idle", default=60.0, show_default=True, type=click.FloatRange(0.1),
               help="Seconds without a frame before the peer must answer a ping.")
+@click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN",
+              help="A web page origin (scheme://host[:port]) allowed to connect; by default "
+                   "any request with an Origin header (a browser's) is refused 403.")
 @click.option("-l", "--loglevel", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.pass_context
 def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile: str | None,
                     max_connections: int, max_unauthenticated: int | None,
-                    max_per_credential: int | None, read_idle: float, loglevel: str) -> None:
+                    max_per_credential: int | None, read_idle: float,
+                    allowed_origins: tuple[str, ...], loglevel: str) -> None:
     """Serve pulse.worker.v1 at wss://BIND/v1/worker/connect: workers that hold a gateway
     credential, and no database or broker credentials, lease tasks through it."""
     from celery_pulse.bootsteps.publish import republish
@@ -80,7 +84,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                           app=ctx.obj.app, on_lost=settings.on_lost,
                           max_attempts=settings.max_attempts,
                           events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3),
-                          state=store.gateway_state)
+                          state=store.gateway_state, allowed_origins=allowed_origins)
         # Recover runs here too: a cluster of gateway workers alone still has its expired
         # claims taken over (retention stays with the direct workers' leader).
         recoverer = Recoverer(

@@ -1,7 +1,10 @@
 """The HTTP handshake of ``GET /v1/worker/connect``: who may open a connection.
 
 The rules, before any code: the place is counted from accept, before anything else
-(:mod:`.admission`, answered ``OVERLOADED`` with ``Retry-After`` when full); the path
+(:mod:`.admission`, answered ``OVERLOADED`` with ``Retry-After`` when full); a
+browser's request (an ``Origin`` header) is refused 403 unless that origin is allowed
+(``--allowed-origin``): a worker sends none, and a page must not be able to use a
+credential its browser holds (seed 003's default Origin check); the path
 is the one endpoint and takes no query (a credential in the URL would end up in access
 logs); the credential is ``Authorization: Bearer`` only, checked against the store with
 bounded concurrency (a flood of bogus tokens waits its turn instead of taking the store
@@ -39,6 +42,8 @@ class Handshake:
 
     admission: Admission
     credentials: CredentialStore
+    #: Origins whose pages may connect (``--allowed-origin``); none by default.
+    allowed_origins: frozenset[str]
     #: Credentials the handshake accepted, until their connection's handler takes them.
     _accepted: dict[ServerConnection, Credential]
 
@@ -50,6 +55,11 @@ class Handshake:
         refusal = self.admission.refusal(conn)
         if refusal is not None:
             return _overloaded(conn, refusal)
+        origin = request.headers.get("Origin")
+        if origin is not None and origin not in self.allowed_origins:
+            return _refuse(conn, HTTPStatus.FORBIDDEN,
+                           "this origin may not connect: the endpoint is for workers (allow "
+                           "a page's origin with --allowed-origin)")
         parts = urlsplit(request.path)
         if parts.path != PATH:
             return _refuse(conn, HTTPStatus.NOT_FOUND, f"no such endpoint; use {PATH}")

@@ -96,14 +96,15 @@ class Gateway(Handshake, Operations):
                  limits: Limits | None = None, lease_ttl: float | None = None,
                  store: Store | None = None, app: Any = None, on_lost: str | None = None,
                  max_attempts: int = 3, name: str | None = None,
-                 events: GatewayEvents | None = None, state: GatewayState | None = None
-                 ) -> None:
+                 events: GatewayEvents | None = None, state: GatewayState | None = None,
+                 allowed_origins: tuple[str, ...] = ()) -> None:
         limits = limits or Limits()
         if lease_ttl is not None:
             limits = dataclasses.replace(limits, lease_ttl=min(lease_ttl, limits.lease_ttl))
         super().__init__(now, limits, store=store, app=app, on_lost=on_lost,
                          max_attempts=max_attempts, name=name, events=events, state=state)
         self.credentials = credentials
+        self.allowed_origins = frozenset(allowed_origins)
         self._credentials_now: dict[str, Credential] = {}
         self._credentials_read_at = float("-inf")
         self.sessions = Sessions(on_replaced=self._replaced)

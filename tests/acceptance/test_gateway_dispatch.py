@@ -160,6 +160,35 @@ def test_a_lost_lease_makes_the_late_finish_evidence_only(
     assert AsyncResult(task_id, app=client_app).state == "PENDING"  # no stale result written
 
 
+def test_a_store_operation_past_its_limit_is_cancelled_in_the_store(
+        env: Env, client_app: Celery, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
+    """Seed 003 §6: one store operation may take 8 s. Past it the worker is answered
+    UNAVAILABLE, and the statement itself is cancelled by the server (the gateway's
+    sessions carry ``statement_timeout``): nothing of it still waits on the lock that held
+    it, to apply later behind the worker's back."""
+    peer = _worker(open_peer, env, capacity=1)
+    task_id = _publish(client_app, env)
+    assign = peer.assignment()
+    holder = gateway_store.engine.connect()
+    try:
+        holder.execute(sa.text("SELECT 1 FROM pulse_claims WHERE task_id = :t FOR UPDATE"),
+                       {"t": task_id})
+        started = time.monotonic()
+        refused = peer.error("task.start", _ref(assign))
+        assert refused == "UNAVAILABLE"
+        assert 7.0 < time.monotonic() - started < 12.0
+
+        def waiting() -> int:
+            with gateway_store.engine.connect() as conn:
+                return int(conn.execute(sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE "
+                    "'pulse:gateway:%' AND wait_event_type = 'Lock'")).scalar_one())
+        wait_for(lambda: waiting() == 0, 5, "the gateway's statement to be cancelled")
+    finally:
+        holder.rollback()
+        holder.close()
+
+
 def test_a_reservation_never_started_is_dispatched_again(
         env: Env, client_app: Celery, gateway_store: SqlStore, open_peer: Callable[..., Peer]) -> None:
     peer = _worker(open_peer, env, capacity=2)

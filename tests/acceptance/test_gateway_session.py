@@ -71,6 +71,28 @@ def test_the_handshake_takes_a_bearer_credential_only(
     assert peer.conn.response.headers.get("Sec-WebSocket-Extensions") is None  # no compression
 
 
+def test_a_browsers_origin_is_refused_unless_allowed(
+        start_gateway: Callable[..., GatewayProcess], tls: tuple[Path, Path, ssl.SSLContext],
+        tokens: dict[str, str]) -> None:
+    gateway = start_gateway("--allowed-origin", "https://ops.example.com")
+    good = {"Authorization": f"Bearer {tokens['full']}"}
+
+    def attempt(origin: str | None) -> Callable[[], Any]:
+        return lambda: connect(gateway.url, ssl=tls[2], origin=origin,  # type: ignore[arg-type]
+                               additional_headers=good, subprotocols=[SUBPROTOCOL],
+                               compression=None, legacy=True)
+
+    assert _status(attempt("https://evil.example.com")) == 403  # a valid credential, too
+    assert _status(attempt("null")) == 403  # a sandboxed page's
+    assert _status(attempt("https://ops.example.com:8443")) == 403  # origins match exactly
+    allowed = attempt("https://ops.example.com")()
+    assert allowed.subprotocol == SUBPROTOCOL
+    allowed.close()
+    worker = attempt(None)()  # a worker sends no Origin
+    assert worker.subprotocol == SUBPROTOCOL
+    worker.close()
+
+
 def test_the_gateway_issues_no_tls_session_tickets(
         gateway: GatewayProcess, tls: tuple[Path, Path, ssl.SSLContext]) -> None:
     """TLS 1.3 tickets arrive while a threaded client writes its upgrade request; OpenSSL

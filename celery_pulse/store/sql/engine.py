@@ -35,6 +35,10 @@ PG_CONNECT_TIMEOUT_S = 5
 #: only a process paused mid-transaction (SIGSTOP, a frozen VM) meets it: its row locks
 #: (a beat slot, the leader's row, claims) are freed in seconds, not when it wakes.
 IDLE_IN_TRANSACTION_S = 2
+#: The gateway's limit on one store operation (seed 003 §6: 8 s). Its own deadline
+#: answers the worker UNAVAILABLE then; this makes the server cancel the statement too,
+#: so nothing of it runs (or waits on a lock) after its answer was given up.
+GATEWAY_STATEMENT_S = 8
 #: The execution option of a connection that only reads, each statement on its own
 #: (``engine.connect().execution_options(**{READ_ONLY: True})``): on SQLite it begins no
 #: transaction, so it never waits for the write lock (see the module doc).
@@ -94,6 +98,8 @@ def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
         with dbapi_conn.cursor() as cur:
             cur.execute(f"SET idle_in_transaction_session_timeout = "
                         f"{IDLE_IN_TRANSACTION_S * 1000}")
+            if options.role == "gateway":
+                cur.execute(f"SET statement_timeout = {GATEWAY_STATEMENT_S * 1000}")
         dbapi_conn.commit()
 
     drop_on_failover(engine)
@@ -186,6 +192,8 @@ def _mysql_engine(parsed: sa.URL, options: EngineOptions) -> sa.Engine:
             cur = dbapi_conn.cursor()
             try:
                 cur.execute(f"SET SESSION idle_transaction_timeout = {IDLE_IN_TRANSACTION_S}")
+                if options.role == "gateway":
+                    cur.execute(f"SET SESSION max_statement_time = {GATEWAY_STATEMENT_S}")
             finally:
                 cur.close()
 
