@@ -16,10 +16,18 @@ from celery_pulse.store.sql.engine import EngineOptions
 SQLITE = "sqlite:///pulse.sqlite3"
 
 
-@pytest.mark.parametrize("role", ["worker", "cli", "beat", "flower", "gateway"])
+@pytest.mark.parametrize("role", ["worker", "cli", "beat", "flower"])
 def test_a_process_pool_never_overflows(role: str) -> None:
     options = EngineOptions.of(Settings(store_url=SQLITE, store_pool_size=3), role)
     assert options.pool() == {"pool_size": 3, "max_overflow": 0, "pool_timeout": 5.0}
+
+
+def test_a_gateways_pool_serves_its_workers_side_by_side_and_never_overflows() -> None:
+    small = EngineOptions.of(Settings(store_url=SQLITE, store_pool_size=3), "gateway")
+    assert small.pool() == {"pool_size": sizing.GATEWAY_POOL_SIZE, "max_overflow": 0,
+                            "pool_timeout": 5.0}
+    large = EngineOptions.of(Settings(store_url=SQLITE, store_pool_size=40), "gateway")
+    assert large.pool()["pool_size"] == 40
 
 
 def test_a_pool_child_keeps_one_connection_whatever_the_setting() -> None:
