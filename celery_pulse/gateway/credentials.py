@@ -16,7 +16,6 @@ from celery_pulse.store.credentials import (
     Credential,
     CredentialStore,
     Forbidden,
-    MemoryCredentials,
     Unauthenticated,
     checked,
     digest,
@@ -26,6 +25,7 @@ from celery_pulse.store.credentials import (
     parse_token,
     taken,
 )
+from celery_pulse.store.memory.credentials import MemoryCredentials
 
 __all__ = ["CONNECT", "CONSUME", "MAX_LENGTH", "PREFIX", "SCOPES", "Credential",
            "CredentialStore", "Forbidden", "MemoryCredentials", "Unauthenticated", "checked",

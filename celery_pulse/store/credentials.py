@@ -16,6 +16,12 @@ Rules:
 * Revocation is permanent and takes effect at the next :meth:`CredentialStore.authenticate`
   (seed 003: the credential's validity is checked again for consuming operations, not
   only at the handshake). Revoking twice changes nothing.
+* **Expiry and rotation.** A credential may be created with an expiry: from then on, by
+  the store's clock, it is refused as a revoked one is (``expired`` is decided by the
+  store when it reads the record). :meth:`CredentialStore.rotate_credential` gives the
+  same credential (same id, name, scopes and sessions) a new secret and keeps the
+  previous one valid for a grace period, so the workers' credential files can be
+  replaced one by one: two live secrets, then one.
 * A gateway worker *instance* (a process, ``instance_id``) belongs to the credential
   and instance secret that said hello for it first (:meth:`CredentialStore.bind_instance`):
   the store keeps the pair, so another credential, or the same one without the secret,
@@ -25,7 +31,7 @@ Rules:
 
 No Celery, no SQL, no gateway: a store contract beside :mod:`celery_pulse.store.base`,
 implemented in SQL by :mod:`celery_pulse.store.sql.credentials` and in memory by
-:class:`MemoryCredentials`. The gateway checks tokens against it
+:class:`~celery_pulse.store.memory.credentials.MemoryCredentials`. The gateway checks tokens against it
 (:mod:`celery_pulse.gateway.server`); ``celery_pulse.gateway.credentials`` is the old
 path of this module and keeps working.
 """
@@ -39,9 +45,7 @@ import hashlib
 import hmac
 import re
 import secrets
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from celery_pulse.errors import InvalidConfig, NotFound, PulseError
 
@@ -82,10 +86,18 @@ class Credential:
     created_by: str
     revoked_at: float | None = None
     revoked_by: str | None = None
+    #: When it stops authenticating (store clock; None: never), and whether it had when
+    #: the store read it.
+    expires_at: float | None = None
+    expired: bool = False
+    #: Its latest rotation, and until when the secret before it is still accepted.
+    rotated_at: float | None = None
+    rotated_by: str | None = None
+    previous_until: float | None = None
 
     @property
     def active(self) -> bool:
-        return self.revoked_at is None
+        return self.revoked_at is None and not self.expired
 
     def allows(self, scope: str, queue: str | None = None) -> bool:
         """Whether this credential, not revoked, grants ``scope`` (and ``queue``, if given)."""
@@ -107,8 +119,14 @@ class Credential:
 def mint() -> tuple[str, str, str]:
     """A fresh ``(credential_id, secret, token)``."""
     credential_id = secrets.token_hex(16)
+    secret, token = mint_secret(credential_id)
+    return credential_id, secret, token
+
+
+def mint_secret(credential_id: str) -> tuple[str, str]:
+    """A fresh ``(secret, token)`` for the credential ``credential_id``."""
     secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
-    return credential_id, secret, f"{PREFIX}{credential_id}_{secret}"
+    return secret, f"{PREFIX}{credential_id}_{secret}"
 
 
 def parse_token(token: str) -> tuple[str, str]:
@@ -182,14 +200,41 @@ class CredentialStore(abc.ABC):
     """Where gateway credentials live (see the module's rules)."""
 
     def create_credential(self, name: str, scopes: Iterable[str], queues: Iterable[str],
-                          who: str) -> tuple[Credential, str]:
+                          who: str, expires_in: float | None = None
+                          ) -> tuple[Credential, str]:
         """A new credential and its token, the only time the token exists outside its
-        holder. :class:`InvalidConfig` on an invalid or taken name, an unknown scope,
-        or :data:`CONSUME` without queues."""
+        holder; ``expires_in`` seconds from now by the store's clock, it stops
+        authenticating (None: never). :class:`InvalidConfig` on an invalid or taken name,
+        an unknown scope, :data:`CONSUME` without queues, or an expiry not in the future."""
         name, wanted, queue_list = checked(name, scopes, queues)
+        if expires_in is not None and not expires_in > 0:
+            raise InvalidConfig(f"a credential's expiry must be in the future, not in "
+                                f"{expires_in:g} s")
         credential_id, secret, token = mint()
         record = self._insert(credential_id, name, wanted, queue_list, digest(secret),
-                              _who(who))
+                              _who(who), expires_in)
+        return record, token
+
+    def rotate_credential(self, name_or_id: str, who: str, grace: float
+                          ) -> tuple[Credential, str]:
+        """A new secret for the credential (its id, name, scopes and sessions kept): the
+        new token, shown this once. The secret it had stays valid for ``grace`` seconds
+        (0: refused at once); a rotation during a grace ends the older one (only the
+        latest two secrets live). :class:`NotFound` if there is no such credential,
+        :class:`InvalidConfig` if it is revoked or expired."""
+        if not grace >= 0:
+            raise InvalidConfig(f"a rotation's grace is 0 seconds or more, not {grace:g}")
+        found = self._find(name_or_id)
+        if found is None:
+            raise not_found(name_or_id)
+        if not found.active:
+            raise InvalidConfig(f"credential {found.name!r} is "
+                                f"{'revoked' if found.revoked_at is not None else 'expired'}"
+                                f": create a new one instead of rotating it")
+        secret, token = mint_secret(found.credential_id)
+        record = self._rotate(found.credential_id, digest(secret), grace, _who(who))
+        if record is None:  # revoked meanwhile
+            raise InvalidConfig(f"credential {found.name!r} was revoked meanwhile")
         return record, token
 
     def authenticate(self, token: str) -> Credential:
@@ -197,8 +242,11 @@ class CredentialStore(abc.ABC):
         malformed, unknown, revoked or its secret is wrong (one message for all)."""
         credential_id, secret = parse_token(token)
         found = self._lookup(credential_id)
-        stored = found[1] if found is not None else _NO_DIGEST
-        matches = hmac.compare_digest(digest(secret), stored)
+        stored = found[1] if found is not None else (_NO_DIGEST,)
+        presented = digest(secret)
+        matches = False
+        for live in (*stored, _NO_DIGEST)[:2]:  # the same work for one live secret or two
+            matches |= hmac.compare_digest(presented, live)
         if found is None or not matches or not found[0].active:
             raise Unauthenticated()
         return found[0]
@@ -238,13 +286,26 @@ class CredentialStore(abc.ABC):
 
     @abc.abstractmethod
     def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
-                queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:
-        """Store a validated credential, created now by the store clock;
-        :class:`InvalidConfig` if ``name`` is taken (decided by the write itself)."""
+                queues: tuple[str, ...], secret_digest: str, who: str,
+                expires_in: float | None = None) -> Credential:
+        """Store a validated credential, created now by the store clock (expiring
+        ``expires_in`` after); :class:`InvalidConfig` if ``name`` is taken (decided by the
+        write itself)."""
 
     @abc.abstractmethod
-    def _lookup(self, credential_id: str) -> tuple[Credential, str] | None:
-        """The record and its secret's digest."""
+    def _lookup(self, credential_id: str) -> tuple[Credential, tuple[str, ...]] | None:
+        """The record and the digests of its live secrets: the current one, and the one
+        before it while its rotation's grace lasts (by the store clock)."""
+
+    @abc.abstractmethod
+    def _find(self, name_or_id: str) -> Credential | None:
+        """The credential with this name or id, revoked or not."""
+
+    @abc.abstractmethod
+    def _rotate(self, credential_id: str, secret_digest: str, grace: float, who: str
+                ) -> Credential | None:
+        """Make ``secret_digest`` the current secret, the current one the previous,
+        valid ``grace`` more seconds; None if the credential is revoked."""
 
     @abc.abstractmethod
     def _revoke(self, name_or_id: str, who: str) -> Credential:
@@ -258,53 +319,3 @@ def taken(name: str) -> InvalidConfig:
 
 def not_found(name_or_id: str) -> NotFound:
     return NotFound(f"no credential named or with id {name_or_id!r}")
-
-
-class MemoryCredentials(CredentialStore):
-    """In-memory credentials for unit tests; ``clock`` is the store clock."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._rows: dict[str, tuple[Credential, str]] = {}
-        #: instance_id -> (credential_id, secret digest) of its owner.
-        self._instances: dict[str, tuple[str, str]] = {}
-
-    def _bind(self, instance_id: str, credential_id: str, secret_digest: str) -> bool:
-        with self._lock:
-            owner = self._instances.setdefault(instance_id, (credential_id, secret_digest))
-        return (hmac.compare_digest(owner[0], credential_id)
-                & hmac.compare_digest(owner[1], secret_digest))
-
-    def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
-                queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:
-        with self._lock:
-            if any(c.name == name for c, _ in self._rows.values()):
-                raise taken(name)
-            record = Credential(credential_id, name, scopes, queues, self._clock(), who)
-            self._rows[credential_id] = (record, secret_digest)
-            return record
-
-    def _lookup(self, credential_id: str) -> tuple[Credential, str] | None:
-        with self._lock:
-            return self._rows.get(credential_id)
-
-    def _revoke(self, name_or_id: str, who: str) -> Credential:
-        with self._lock:
-            for credential_id, (record, stored) in self._rows.items():
-                if name_or_id in (record.name, credential_id):
-                    if record.active:
-                        record = dataclasses.replace(record, revoked_at=self._clock(),
-                                                     revoked_by=who)
-                        self._rows[credential_id] = (record, stored)
-                    return record
-        raise not_found(name_or_id)
-
-    def list_credentials(self, include_revoked: bool = True) -> list[Credential]:
-        with self._lock:
-            rows = [c for c, _ in self._rows.values() if include_revoked or c.active]
-        return sorted(rows, key=lambda c: c.name)
-
-    def get_credential(self, credential_id: str) -> Credential | None:
-        found = self._lookup(credential_id)
-        return None if found is None else found[0]

@@ -117,3 +117,28 @@ def test_mistakes_are_clear_errors(env: Env, store: SqlStore) -> None:
     assert "already exists" in _refused(env, "create", "runner", "--queue", "q")
     assert "no credential" in _refused(env, "revoke", "nobody")
     assert [c.name for c in store.credentials.list_credentials()] == ["runner"]
+
+
+def test_expiry_and_rotation_from_the_command_line(env: Env, store: SqlStore) -> None:
+    token = _ok(env, "create", "temp", "--queue", "q", "--expires-in", "1h").strip()
+    [row] = json.loads(_ok(env, "list", "--json"))
+    assert row["expires_at"] == pytest.approx(store.now() + 3600, abs=60)
+    assert row["active"] is True and row["expired"] is False
+    assert "expires 20" in _ok(env, "list")
+    path = env.tmp / "rotated.json"
+    out = _ok(env, "rotate", "temp", "--grace", "10m", "--output", str(path))
+    assert "rotated" in out and "600 s" in out and "pgw1_" not in out
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    new = json.loads(path.read_text())["token"]
+    for live in (token, new):  # two live secrets during the grace
+        assert store.credentials.authenticate(live).name == "temp"
+    [row] = json.loads(_ok(env, "list", "--json"))
+    assert row["rotated_at"] is not None and "@" in row["rotated_by"]
+    assert row["previous_secret_until"] == pytest.approx(row["rotated_at"] + 600, abs=1)
+    assert "rotated 20" in _ok(env, "list")
+    for wrong in ("--expires-in", "soon"), ("--expires-in", "-5m"):
+        assert "duration" in _refused(env, "create", "temp2", "--queue", "q", *wrong)
+    assert "expiry" in _refused(env, "create", "temp2", "--queue", "q", "--expires-in", "0")
+    assert "no credential" in _refused(env, "rotate", "nobody")
+    _ok(env, "revoke", "temp")
+    assert "revoked" in _refused(env, "rotate", "temp")

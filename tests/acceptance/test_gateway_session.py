@@ -21,6 +21,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
+from celery_pulse.store.credentials import CONNECT, CONSUME
+from celery_pulse.store.sql import open_store
 from tests.helpers.gateway import QUEUE, SUBPROTOCOL, GatewayProcess, Peer, hello_body, joined
 from tests.helpers.workers import Env, wait_for
 
@@ -206,6 +208,51 @@ def test_a_revoked_credential_ends_its_session(env: Env, open_peer: Callable[...
     assert peer.closed_with() == 1008
     with pytest.raises(InvalidStatus):
         open_peer()
+
+
+def test_an_expired_credential_ends_its_sessions_and_is_refused(
+        env: Env, open_peer: Callable[..., Peer]) -> None:
+    store = open_store(env.store_url)
+    try:
+        _, token = store.credentials.create_credential(
+            "short-lived", [CONNECT, CONSUME], [QUEUE], "test", expires_in=3)
+    finally:
+        store.close()
+    peer = open_peer(token)
+    welcome = peer.call("worker.hello", hello_body(), session_id=None)
+    assert welcome["type"] == "worker.welcome", welcome
+    # Ended by the gateway's check of its sessions' credentials once the store's clock
+    # passes the expiry: told why, unasked, then closed.
+    ended = peer.recv(timeout=10)
+    assert ended["type"] == "error" and ended["error"]["code"] == "UNAUTHENTICATED", ended
+    assert peer.closed_with() == 1008
+    with pytest.raises(InvalidStatus) as info:
+        open_peer(token)
+    assert info.value.response.status_code == 401
+
+
+def test_a_rotation_keeps_sessions_and_both_secrets_for_its_grace(
+        env: Env, tokens: dict[str, str], open_peer: Callable[..., Peer]) -> None:
+    peer = joined(open_peer)
+    rotated = env.celery("pulse", "credentials", "rotate", "runner", "--grace", "60")
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.strip()
+    assert new.startswith("pgw1_") and new != tokens["full"]
+    # The session goes on: a rotation changes the secret, not the credential.
+    assert peer.call("worker.capacity", {"sequence": "1", "capacity": 1, "drain": False}
+                     )["type"] == "ack"
+    for token in (tokens["full"], new):  # both secrets, during the grace
+        joined(lambda t=token: open_peer(t))
+    again = env.celery("pulse", "credentials", "rotate", "runner", "--grace", "0")
+    assert again.returncode == 0, again.stderr
+    for token in (tokens["full"], new):  # only the latest secret now
+        with pytest.raises(InvalidStatus) as info:
+            open_peer(token)
+        assert info.value.response.status_code == 401
+    joined(lambda: open_peer(again.stdout.strip()))
+    listed = env.celery_json("pulse", "credentials", "list")
+    [runner] = [c for c in listed if c["name"] == "runner"]
+    assert runner["rotated_at"] is not None and runner["active"]
 
 
 def test_hello_must_come_first_and_in_time(open_peer: Callable[..., Peer]) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -346,3 +347,87 @@ def test_of_simultaneous_first_hellos_one_owns_the_instance(subject: Subject) ->
     for thread in threads:
         thread.join(30)
     assert sorted(answers) == [False] * 5 + [True]
+
+
+# -- expiry and rotation (issue 37) -------------------------------------------------------
+def _poll_refused(store: CredentialStore, token: str, within: float = 10.0) -> None:
+    """Until ``token`` is refused (the store's clock passing a time set in the store)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            store.authenticate(token)
+        except Unauthenticated:
+            return
+        assert time.monotonic() < deadline, "still authenticates"
+        time.sleep(0.05)
+
+
+def test_a_credential_expires_by_the_store_clock(subject: Subject) -> None:
+    record, token = subject.store.create_credential("short", BOTH, ["q"], "test",
+                                                    expires_in=0.5)
+    start = subject.now()
+    assert record.expires_at == pytest.approx(start + 0.5, abs=2.0)
+    assert record.active and not record.expired
+    assert subject.store.authenticate(token).credential_id == record.credential_id
+    _poll_refused(subject.store, token)
+    assert subject.now() >= record.expires_at  # refused no earlier than its expiry
+    [listed] = subject.store.list_credentials()
+    assert listed.expired and not listed.active and listed.revoked_at is None
+    got = subject.store.get_credentials([record.credential_id])[record.credential_id]
+    assert got.expired  # what a gateway's check of its sessions reads
+    with pytest.raises(Unauthenticated):
+        got.require(CONSUME, "q")
+    with pytest.raises(InvalidConfig, match="expired"):
+        subject.store.rotate_credential("short", "test", grace=60)
+
+
+@pytest.mark.parametrize("expires_in", [0, -1, float("nan")])
+def test_an_expiry_must_be_in_the_future(subject: Subject, expires_in: float) -> None:
+    with pytest.raises(InvalidConfig, match="expiry"):
+        subject.store.create_credential("never", BOTH, ["q"], "test", expires_in=expires_in)
+    assert subject.store.list_credentials() == []
+
+
+def test_a_rotation_keeps_two_live_secrets_for_its_grace(subject: Subject) -> None:
+    record, old = subject.store.create_credential("runner", BOTH, ["q"], "test")
+    rotated, new = subject.store.rotate_credential("runner", "ops@host", grace=0.8)
+    assert new != old and new.startswith(PREFIX + record.credential_id + "_")
+    assert (rotated.credential_id, rotated.scopes, rotated.queues) == (
+        record.credential_id, record.scopes, record.queues)
+    assert rotated.rotated_by == "ops@host" and rotated.previous_until is not None
+    for token in (old, new):  # both, during the grace
+        assert subject.store.authenticate(token).credential_id == record.credential_id
+    _poll_refused(subject.store, old)  # the grace ends by the store clock
+    assert subject.store.authenticate(new).credential_id == record.credential_id
+    # Only digests are kept, of both secrets.
+    for token in (old, new):
+        secret = token.rsplit("_", 1)[1]
+        assert secret not in subject.dump()
+
+
+def test_a_rotation_without_grace_refuses_the_old_secret_at_once(subject: Subject) -> None:
+    _, old = subject.store.create_credential("runner", BOTH, ["q"], "test")
+    _, new = subject.store.rotate_credential("runner", "test", grace=0)
+    _unauthenticated(subject.store, old)
+    subject.store.authenticate(new)
+
+
+def test_a_second_rotation_ends_the_first_secret(subject: Subject) -> None:
+    _, first = subject.store.create_credential("runner", BOTH, ["q"], "test")
+    _, second = subject.store.rotate_credential("runner", "test", grace=3600)
+    _, third = subject.store.rotate_credential("runner", "test", grace=3600)
+    _unauthenticated(subject.store, first)  # only the latest two live
+    subject.store.authenticate(second)
+    subject.store.authenticate(third)
+
+
+def test_a_revoked_or_unknown_credential_is_not_rotated(subject: Subject) -> None:
+    _, token = subject.store.create_credential("runner", BOTH, ["q"], "test")
+    subject.store.revoke_credential("runner", "test")
+    with pytest.raises(InvalidConfig, match="revoked"):
+        subject.store.rotate_credential("runner", "test", grace=60)
+    with pytest.raises(NotFound):
+        subject.store.rotate_credential("nobody", "test", grace=60)
+    with pytest.raises(InvalidConfig, match="grace"):
+        subject.store.rotate_credential("runner", "test", grace=-1)
+    _unauthenticated(subject.store, token)

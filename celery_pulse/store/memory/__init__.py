@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 
 from celery_pulse.store.contracts import Store
-from celery_pulse.store.credentials import MemoryCredentials
 from celery_pulse.store.gateway_state import MemoryGatewayState
 from celery_pulse.store.memory.claims import MemoryClaims
+from celery_pulse.store.memory.credentials import MemoryCredentials
 from celery_pulse.store.memory.leader import MemoryLeader
 from celery_pulse.store.memory.monitor import MemoryViews
 from celery_pulse.store.memory.recover import MemoryRecover

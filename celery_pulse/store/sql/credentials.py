@@ -28,8 +28,12 @@ from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.tables import credentials, gateway_instances
 
-#: Every column but the digest: what a listing reads.
-_RECORD = [c for c in credentials.c if c.name != "secret_digest"]
+#: Every column but the digests: what a listing reads.
+_RECORD = [c for c in credentials.c if not c.name.endswith("_digest")]
+
+
+def _time(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _record(row: Any) -> Credential:
@@ -37,8 +41,10 @@ def _record(row: Any) -> Credential:
         credential_id=row.credential_id, name=row.name,
         scopes=frozenset(json.loads(row.scopes)), queues=tuple(sorted(json.loads(row.queues))),
         created_at=float(row.created_at), created_by=row.created_by,
-        revoked_at=None if row.revoked_at is None else float(row.revoked_at),
-        revoked_by=row.revoked_by)
+        revoked_at=_time(row.revoked_at), revoked_by=row.revoked_by,
+        expires_at=_time(row.expires_at), expired=bool(row.expired),
+        rotated_at=_time(row.rotated_at), rotated_by=row.rotated_by,
+        previous_until=_time(row.previous_until))
 
 
 class SqlCredentials(CredentialStore):
@@ -48,6 +54,14 @@ class SqlCredentials(CredentialStore):
         self.engine = engine
         self.conns = Connections(engine)
         self.dialect = self.conns.dialect
+        now = self.conns.now
+        #: Expired by the store's clock, decided in the read itself.
+        self._expired = sa.case((sa.and_(credentials.c.expires_at.is_not(None),
+                                         credentials.c.expires_at <= now), 1),
+                                else_=0).label("expired")
+        #: The rotation's previous secret while its grace lasts, else NULL.
+        self._previous = sa.case((credentials.c.previous_until > now,
+                                  credentials.c.previous_digest), else_=None).label("previous")
 
     def _read(self, where: str) -> AbstractContextManager[sa.Connection]:
         """Reads need no transaction: autocommit on PostgreSQL (one round trip)."""
@@ -59,15 +73,18 @@ class SqlCredentials(CredentialStore):
             yield conn
 
     def _by(self, conn: sa.Connection, where: sa.ColumnElement[bool]) -> Credential | None:
-        row = conn.execute(sa.select(*_RECORD).where(where)).one_or_none()
+        row = conn.execute(sa.select(*_RECORD, self._expired).where(where)).one_or_none()
         return None if row is None else _record(row)
 
     def _insert(self, credential_id: str, name: str, scopes: frozenset[str],
-                queues: tuple[str, ...], secret_digest: str, who: str) -> Credential:
+                queues: tuple[str, ...], secret_digest: str, who: str,
+                expires_in: float | None = None) -> Credential:
+        now = self.dialect.now()
         stmt = self.dialect.insert_or_keep(credentials, dict(
             credential_id=credential_id, name=name, secret_digest=secret_digest,
             scopes=json.dumps(sorted(scopes)), queues=json.dumps(list(queues)),
-            created_at=self.dialect.now(), created_by=who),
+            created_at=now, created_by=who,
+            expires_at=None if expires_in is None else now + expires_in),
             [credentials.c.name], credentials.c.credential_id)
         with self._write("create credential") as conn:
             conn.execute(stmt)
@@ -92,11 +109,31 @@ class SqlCredentials(CredentialStore):
             conn.execute(claim)
             return conn.execute(seen).rowcount == 1
 
-    def _lookup(self, credential_id: str) -> tuple[Credential, str] | None:
+    def _lookup(self, credential_id: str) -> tuple[Credential, tuple[str, ...]] | None:
         with self._read("authenticate") as conn:
-            row = conn.execute(sa.select(credentials).where(
+            row = conn.execute(sa.select(credentials, self._expired, self._previous).where(
                 credentials.c.credential_id == credential_id)).one_or_none()
-        return None if row is None else (_record(row), str(row.secret_digest))
+        if row is None:
+            return None
+        live = (str(row.secret_digest),) + ((str(row.previous),) if row.previous else ())
+        return _record(row), live
+
+    def _find(self, name_or_id: str) -> Credential | None:
+        with self._read("find credential") as conn:
+            return self._by(conn, self._match(name_or_id))
+
+    def _rotate(self, credential_id: str, secret_digest: str, grace: float, who: str
+                ) -> Credential | None:
+        now = self.dialect.now()
+        c = credentials.c
+        with self._write("rotate credential") as conn:
+            # In this order: MySQL assigns left to right, each seeing the ones before.
+            moved = conn.execute(sa.update(credentials).where(
+                c.credential_id == credential_id, c.revoked_at.is_(None)).ordered_values(
+                (c.previous_digest, c.secret_digest), (c.previous_until, now + grace),
+                (c.secret_digest, secret_digest), (c.rotated_at, now), (c.rotated_by, who)))
+            return (self._by(conn, c.credential_id == credential_id)
+                    if moved.rowcount == 1 else None)
 
     def _match(self, name_or_id: str) -> sa.ColumnElement[bool]:
         # Names are never 32 hex digits (checked at creation), ids always are.
@@ -115,7 +152,7 @@ class SqlCredentials(CredentialStore):
         return record
 
     def list_credentials(self, include_revoked: bool = True) -> list[Credential]:
-        stmt = sa.select(*_RECORD).order_by(credentials.c.name)
+        stmt = sa.select(*_RECORD, self._expired).order_by(credentials.c.name)
         if not include_revoked:
             stmt = stmt.where(credentials.c.revoked_at.is_(None))
         with self._read("list credentials") as conn:
@@ -132,6 +169,6 @@ class SqlCredentials(CredentialStore):
         if not wanted:
             return {}
         with self._read("get credentials") as conn:
-            rows = conn.execute(sa.select(*_RECORD).where(
+            rows = conn.execute(sa.select(*_RECORD, self._expired).where(
                 credentials.c.credential_id.in_(wanted)))
             return {row.credential_id: _record(row) for row in rows}

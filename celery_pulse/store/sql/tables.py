@@ -240,6 +240,13 @@ credentials = sa.Table(
     sa.Column("created_by", sa.String(255), nullable=False),
     sa.Column("revoked_at", SECONDS),
     sa.Column("revoked_by", sa.String(255)),
+    #: Revision 0015: when it stops authenticating (None: never), and its rotation: the
+    #: secret it had before, accepted until ``previous_until`` (two live secrets).
+    sa.Column("expires_at", SECONDS),
+    sa.Column("previous_digest", sa.String(64)),
+    sa.Column("previous_until", SECONDS),
+    sa.Column("rotated_at", SECONDS),
+    sa.Column("rotated_by", sa.String(255)),
     sa.Index("ux_pulse_credentials_name", "name", unique=True),
     **TABLE_OPTIONS,
 )
