@@ -25,6 +25,7 @@ import sys
 
 import click
 
+from celery_pulse.cli.attempts import attempts
 from celery_pulse.cli.beat import beat_command
 from celery_pulse.cli.claims import claims
 from celery_pulse.cli.credentials import credentials
@@ -51,6 +52,7 @@ def pulse(ctx: click.Context) -> None:
 pulse.add_command(migrate)
 pulse.add_command(workers)
 pulse.add_command(claims)
+pulse.add_command(attempts)
 pulse.add_command(review)
 pulse.add_command(status)
 pulse.add_command(drain)

@@ -103,6 +103,11 @@ class GatewayState(abc.ABC):
         counts against its capacity."""
 
     @abc.abstractmethod
+    def attempts_of(self, task_id: str) -> list[tuple[AttemptRecord, float]]:
+        """Every recorded assignment of a task, with when (store clock), oldest first:
+        what an operator reads beside the claim (``celery pulse attempts``)."""
+
+    @abc.abstractmethod
     def purge_attempts(self, older_than: float) -> int:
         """Forget assignments recorded before ``older_than`` (store clock) whose claims
         no longer run under them; how many."""
@@ -160,6 +165,11 @@ class MemoryGatewayState(GatewayState):
             mine = [r for r, _ in self._attempts.values() if r.instance_id == instance_id]
         states = [(r, self._live(r.task_id, r.epoch, holder)) for r in mine]
         return [(r, state) for r, state in states if state is not None]
+
+    def attempts_of(self, task_id: str) -> list[tuple[AttemptRecord, float]]:
+        with self._lock:
+            mine = [(r, at) for r, at in self._attempts.values() if r.task_id == task_id]
+        return sorted(mine, key=lambda pair: (pair[1], pair[0].epoch))
 
     def purge_attempts(self, older_than: float) -> int:
         with self._lock:

@@ -120,6 +120,12 @@ def test_another_gateway_answers_an_attempt_it_never_assigned_and_counts_it(
                      )["type"] == "ack"
     with pytest.raises(TimeoutError):
         back.assignment(timeout=2)  # capacity 1, held by the attempt the first assigned
+    task_id = assign["body"]["task"]["id"]
+    shown = env.celery_json("pulse", "attempts", task_id)  # what an operator reads
+    [grant] = shown["gateway_attempts"]
+    assert (grant["attempt_id"], grant["epoch"], grant["current"]) == (
+        assign["body"]["attempt_id"], int(assign["body"]["epoch"]), True)
+    assert grant["instance_id"] == hello["instance_id"] and shown["evidence"] == []
     renewed = back.call("task.renew", _ref(assign))
     assert renewed["body"]["receipt"]["disposition"] == "APPLIED", renewed
     again = back.call("task.start", _ref(assign), message_id=start_id)  # its ACK was lost
@@ -128,7 +134,6 @@ def test_another_gateway_answers_an_attempt_it_never_assigned_and_counts_it(
     finish_id = secrets.token_hex(16)
     done = back.call("task.finish", finish, message_id=finish_id)
     assert done["body"]["receipt"]["disposition"] == "APPLIED", done
-    task_id = assign["body"]["task"]["id"]
     assert claim_of(gateway_store, task_id).state == "succeeded"
     assert AsyncResult(task_id, app=client_app).get(timeout=10) == "once"
     second = back.assignment()  # the slot is free again: the other task comes
@@ -142,6 +147,10 @@ def test_another_gateway_answers_an_attempt_it_never_assigned_and_counts_it(
     assert repeat["body"]["receipt"]["disposition"] == "DUPLICATE"
     assert claim_of(gateway_store, task_id).state == "succeeded"
     assert evidence_of(gateway_store, task_id) == []
+    [grant] = env.celery_json("pulse", "attempts", task_id)["gateway_attempts"]
+    assert grant["current"] is False  # finished
+    text = env.celery("pulse", "attempts", task_id, check=True).stdout
+    assert assign["body"]["attempt_id"] in text and "succeeded" in text
     # A made-up attempt is still nobody's.
     forged = dict(_ref(second), attempt_id=secrets.token_hex(16))
     assert third.error("task.start", forged) == "NOT_FOUND"

@@ -100,6 +100,10 @@ def test_attempts_are_found_by_id_and_live_ones_counted_with_their_state(
     found = state.find_attempt(records[running.task_id].attempt_id)
     assert found == records[running.task_id]
     assert state.find_attempt(uuid.uuid4().hex) is None
+    [(shown, assigned_at)] = state.attempts_of(running.task_id)
+    assert shown == records[running.task_id]
+    assert assigned_at == pytest.approx(store.now(), abs=30)
+    assert state.attempts_of("no-such-task") == []
     live = {r.task_id: s for r, s in state.live_attempts(instance_id, HOLDER)}
     assert live == {running.task_id: "running", reserved.task_id: "reserved"}
     assert state.live_attempts(instance_id, "someone-else") == []

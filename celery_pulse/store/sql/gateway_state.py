@@ -99,6 +99,13 @@ class SqlGatewayState(GatewayState):
         with self.conns.reading("live gateway attempts") as conn:
             return [(_record(row), str(row.state)) for row in conn.execute(stmt)]
 
+    def attempts_of(self, task_id: str) -> list[tuple[AttemptRecord, float]]:
+        a = gateway_attempts
+        with self.conns.reading("gateway attempts of a task") as conn:
+            rows = conn.execute(sa.select(*_ATTEMPT, a.c.created_at).where(
+                a.c.task_id == task_id).order_by(a.c.created_at, a.c.epoch))
+            return [(_record(row), float(row.created_at)) for row in rows]
+
     def purge_attempts(self, older_than: float) -> int:
         a = gateway_attempts
         running = sa.exists().where(claims.c.task_id == a.c.task_id,

@@ -290,5 +290,6 @@ gateway_attempts = sa.Table(
     sa.Column("created_at", SECONDS, nullable=False),
     sa.Index("ix_pulse_gateway_attempts_instance", "instance_id", "created_at"),
     sa.Index("ix_pulse_gateway_attempts_created", "created_at"),
+    sa.Index("ix_pulse_gateway_attempts_task", "task_id"),
     **TABLE_OPTIONS,
 )

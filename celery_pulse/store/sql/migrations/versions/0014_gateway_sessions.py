@@ -55,6 +55,7 @@ def upgrade() -> None:
                     ["instance_id", "created_at"])
     op.create_index("ix_pulse_gateway_attempts_created", "pulse_gateway_attempts",
                     ["created_at"])
+    op.create_index("ix_pulse_gateway_attempts_task", "pulse_gateway_attempts", ["task_id"])
 
 
 def downgrade() -> None:
