@@ -243,7 +243,10 @@ class GatewayClient:
         deadline = None
         lease = reply.get("lease")
         if isinstance(lease, Mapping) and lease.get("active"):
-            deadline = pending.sent + self.lease_duration - SAFETY_MARGIN
+            # Counted from a time the lease was granted no earlier than: this send, or
+            # for the original receipt of a repeat, the first one.
+            since = pending.first_sent if reply.get("deduplicated") else pending.sent
+            deadline = since + self.lease_duration - SAFETY_MARGIN
         return Answer(reply, deadline)
 
     # -- the connection (reader thread, and the first connect) --------------------------
@@ -341,6 +344,7 @@ class GatewayClient:
             return  # sent once the reader has reconnected
         frame = dict(pending.frame, session_id=session_id)
         pending.sent = time.monotonic()
+        pending.first_sent = pending.first_sent or pending.sent
         with contextlib.suppress(ConnectionClosed, OSError):  # sent again on reconnect
             conn.send(json.dumps(frame))
 

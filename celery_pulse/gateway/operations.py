@@ -154,10 +154,16 @@ class Operations(Cluster):
                 lease_until = await self._store(fenced.start, attempt)
             if lease_until is None:
                 # Started already (the start's answer was lost, maybe with the gateway
-                # that applied it): the same answer, from the store's lease.
-                held = await self._store(fenced.status, attempt)
-                if held is not None and held[0] == "running":
-                    lease_until = held[1]
+                # that applied it): the same answer, its lease renewed from now. Never
+                # the old lease as it stands: the worker counts its deadline from this
+                # request, which may be long after the first start.
+                now = await self._store_now(earliest=True)
+                renewed = await self._store(fenced.renew, attempt)
+                if renewed is None:  # held, but its row is locked: not extended
+                    raise ProtocolError(Code.UNAVAILABLE,
+                                        "the claim is busy: send the start again")
+                if renewed:
+                    lease_until = now + self.limits.lease_ttl
             if lease_until is None:
                 attempt.state = FINISHED
                 raise ProtocolError(Code.LEASE_LOST,

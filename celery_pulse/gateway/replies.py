@@ -66,12 +66,15 @@ class Answer:
 class Pending:
     """One operation sent until it is answered (its frame without the session_id)."""
 
-    __slots__ = ("answer", "done", "error", "frame", "sent")
+    __slots__ = ("answer", "done", "error", "first_sent", "frame", "sent")
 
     def __init__(self, frame: dict[str, Any]) -> None:
         self.frame = frame
         self.done = threading.Event()
         self.answer: dict[str, Any] | None = None
         self.error: PulseError | None = None
+        #: When it was last sent, and first (monotonic): a repeat answered with the
+        #: original receipt (``deduplicated``) was applied after the first send only.
         self.sent = 0.0
+        self.first_sent = 0.0
 

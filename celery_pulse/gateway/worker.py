@@ -274,6 +274,8 @@ class GatewayStore(RegistryStore, ClaimStore):
                 if answer.code == Code.STATE_CONFLICT:  # not started: valid, not extended
                     busy.add(task_id)
                 # else lost
+            elif answer.active and answer.disposition == "BUSY":
+                busy.add(task_id)  # still held, not extended: the deadline stays
             elif answer.active:
                 renewed.add(task_id)
         return renewed, busy
