@@ -171,6 +171,9 @@ def test_a_store_operation_past_its_limit_is_cancelled_in_the_store(
     assign = peer.assignment()
     holder = gateway_store.engine.connect()
     try:
+        # This test's lock is held on purpose, idle in its transaction: past the store's
+        # own idle cap, for this transaction only.
+        holder.execute(sa.text("SET LOCAL idle_in_transaction_session_timeout = 0"))
         holder.execute(sa.text("SELECT 1 FROM pulse_claims WHERE task_id = :t FOR UPDATE"),
                        {"t": task_id})
         started = time.monotonic()
