@@ -52,6 +52,7 @@ from celery_pulse.gateway.replies import (
     FATAL,
     KEPT,
     SAFETY_MARGIN,
+    UNANSWERED,
     Answer,
     Assigned,
     GatewayClosed,
@@ -194,7 +195,7 @@ class GatewayClient:
         try:
             answer = self.answer(pending)
         except ProtocolError as exc:
-            if exc.code not in (Code.UNAVAILABLE, Code.INTERNAL):
+            if exc.code not in UNANSWERED:
                 self.forget(assigned.ref)
             raise
         self.forget(assigned.ref)

@@ -134,10 +134,9 @@ class Cluster:
             raise ProtocolError(Code.NOT_FOUND, "no such attempt for this instance")
         found.token = secret
         held = await self._store(self._fenced(instance).status, found)
-        if held is None:
-            found.state = FINISHED  # ended, or lost: the store says which when asked
-        else:
-            found.state = RUNNING if held[0] == "running" else LEASED
+        # No lease held: ended, or lost (the store says which when asked).
+        found.state = _state_of(held[0] if held is not None else None)
+        if held is not None:
             found.lease_until = held[1]
         instance.adopt([found])
         return instance.attempt(*key)
@@ -150,11 +149,8 @@ class Cluster:
         live = await self._store(self.state.live_attempts, instance.instance_id,
                                  self._holders[instance.instance_id])
         deadline = time.monotonic() + self.limits.lease_ttl
-        adopted = []
-        for record, state in live[:ATTEMPTS_KEPT]:
-            attempt = _adopted(record, deadline)
-            attempt.state = RUNNING if state == "running" else LEASED
-            adopted.append(attempt)
+        adopted = [_adopted(record, deadline, _state_of(state))
+                   for record, state in live[:ATTEMPTS_KEPT]]
         instance.adopt(adopted, live={a.attempt_id for a in adopted})
 
     def _recorder(self, instance: Instance) -> Callable[[list[Attempt]], None] | None:
@@ -174,15 +170,8 @@ class Cluster:
         """May this instance's credential still consume its queue? From the credentials
         the watch read last (at most ``CREDENTIALS_STALE`` old; else the store is asked):
         no store round trip per frame. ``UNAUTHENTICATED``/``FORBIDDEN`` if not."""
-        credential = self._credentials_now.get(instance.identity.credential_id)
-        if credential is None:
-            raise ProtocolError(Code.UNAUTHENTICATED, Unauthenticated().message)
-        try:
-            credential.require(CONSUME, instance.identity.queue_id)
-        except Unauthenticated as exc:
-            raise ProtocolError(Code.UNAUTHENTICATED, exc.message) from None
-        except Forbidden as exc:
-            raise ProtocolError(Code.FORBIDDEN, exc.message) from None
+        consuming(self._credentials_now.get(instance.identity.credential_id),
+                  instance.identity.queue_id)
 
     def _credentials_fresh(self) -> bool:
         return time.monotonic() - self._credentials_read_at < CREDENTIALS_STALE
@@ -241,7 +230,29 @@ class Cluster:
                     self._stop_feeding(instance_id)
                     self._end_session(session, error)
 
-def _adopted(record: AttemptRecord, deadline: float) -> Attempt:
+def consuming(credential: Credential | None, queue: str) -> Credential:
+    """``credential`` (None: there is none), if it may still consume ``queue``; else the
+    protocol's ``UNAUTHENTICATED`` (gone, revoked, expired) or ``FORBIDDEN``."""
+    try:
+        if credential is None:
+            raise Unauthenticated()
+        credential.require(CONSUME, queue)
+        return credential
+    except Unauthenticated as exc:
+        raise ProtocolError(Code.UNAUTHENTICATED, exc.message) from None
+    except Forbidden as exc:
+        raise ProtocolError(Code.FORBIDDEN, exc.message) from None
+
+
+def _state_of(claim_state: str | None) -> str:
+    """An attempt's state from its claim's: running, reserved, or no lease held."""
+    if claim_state is None:
+        return FINISHED
+    return RUNNING if claim_state == "running" else LEASED
+
+
+def _adopted(record: AttemptRecord, deadline: float, state: str = LEASED) -> Attempt:
     """An attempt from its store record: its token unknown until a frame proves it."""
     return Attempt(record.task_id, record.wire_task_id, record.attempt_id, record.epoch, "",
-                   record.task_name, 0.0, deadline, token_digest=record.token_digest)
+                   record.task_name, 0.0, deadline, state,
+                   token_digest=record.token_digest)

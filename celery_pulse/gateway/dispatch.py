@@ -130,9 +130,10 @@ class Feeder(threading.Thread):
             consuming, full_since = True, None
             while not self._stop.is_set():
                 if self._batch:
-                    if self.free() > 0:
+                    room = self.free()
+                    if room > 0:
                         full_since = None
-                        self._flush()
+                        self._flush(room)
                         continue
                     # Full: what was received waits, unacknowledged, for a finish to
                     # free a slot (room() wakes this at once), but not for long: held
@@ -188,13 +189,10 @@ class Feeder(threading.Thread):
             int(headers.get("retries") or 0), publication_of(headers))
         self._batch.append((message, request))
 
-    def _flush(self) -> None:
-        """Reserve the batch in one statement, acknowledge it, record its attempts in
-        one more, then assign them."""
-        room = self.free()
+    def _flush(self, room: int) -> None:
+        """Reserve as much of the batch as there is ``room`` for in one statement,
+        acknowledge it, record its attempts in one more, then assign them."""
         batch, self._batch = self._batch[:room], self._batch[room:]
-        if not batch:
-            return
         sent = time.monotonic()
         try:
             answers = self.store.reserve(self.holder, [r for _, r in batch], self.lease_ttl)

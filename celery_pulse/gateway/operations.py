@@ -37,6 +37,7 @@ from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
     assign_body,
+    attempt_ref,
     command_result,
     lease_body,
     timestamp,
@@ -195,10 +196,11 @@ class Operations(Cluster):
 
     async def _lease_now(self, instance: Instance, frame: Frame) -> dict[str, Any]:
         """The attempt's lease as the store has it now (``active`` false when lost)."""
-        body = frame.body
-        ref = body.ref if isinstance(body, frames.Finish) else body
+        ref = attempt_ref(frame.body)
+        if ref is None:  # resume, start, renew, finish: each names its attempt
+            raise ProtocolError(Code.INTERNAL, "this operation names no attempt")
         attempt = await self._find(instance, ref)
-        now = await self._store(self.now)
+        now = await self._store_now()
         held = await self._store(self._fenced(instance).status, attempt)
         if held is None:
             return lease_body(False, attempt.state if attempt.state == FINISHED else "LOST",

@@ -12,7 +12,7 @@ import base64
 from datetime import datetime, timezone
 from typing import Any
 
-from celery_pulse.gateway.protocol import AttemptRef
+from celery_pulse.gateway.protocol import AttemptRef, Finish
 from celery_pulse.gateway.session import Attempt, Instance, Session
 from celery_pulse.store.credentials import Credential
 
@@ -25,6 +25,12 @@ DISPOSITIONS = {"applied": "APPLIED", "duplicate": "DUPLICATE", "evidence": "EVI
 def holder_name(credential: Credential, instance_id: str) -> str:
     """The claims' holder for an instance: who holds a task, read in ``pulse claims``."""
     return f"gw:{credential.name}:{instance_id}"
+
+
+def attempt_ref(body: Any) -> AttemptRef | None:
+    """The attempt a frame's body names (a finish's is inside it), if any."""
+    ref = body.ref if isinstance(body, Finish) else body
+    return ref if isinstance(ref, AttemptRef) else None
 
 
 def attempt_key(ref: AttemptRef) -> tuple[str, str, int, str]:

@@ -22,6 +22,8 @@ from celery_pulse.gateway.protocol import Code
 #: deducted too: the deadline counts from when the request was sent).
 SAFETY_MARGIN = 2.0
 FATAL = (Code.UNAUTHENTICATED, Code.FORBIDDEN)
+#: The gateway could not answer (its store, or itself): the operation may be sent again.
+UNANSWERED = (Code.UNAVAILABLE, Code.INTERNAL)
 #: Assignments remembered (a lost one's late finish still goes out as evidence).
 KEPT = 4096
 

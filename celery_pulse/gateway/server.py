@@ -60,7 +60,7 @@ from websockets.typing import Subprotocol
 
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.admission import Admission, counted
-from celery_pulse.gateway.cluster import REPLACED
+from celery_pulse.gateway.cluster import REPLACED, consuming
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.handshake import PATH, Handshake
@@ -68,16 +68,13 @@ from celery_pulse.gateway.link import Closing, Limits, Link, server_ssl_context,
 from celery_pulse.gateway.operations import Operations
 from celery_pulse.gateway.ordering import Ordered
 from celery_pulse.gateway.outcomes import RemoteTaskError
-from celery_pulse.gateway.receipts import DISPOSITIONS, OUTCOME_STATES, holder_name
+from celery_pulse.gateway.receipts import DISPOSITIONS, OUTCOME_STATES, attempt_ref, holder_name
 from celery_pulse.gateway.redact import wire_logger
 from celery_pulse.gateway.session import RUNNING, Instance, Session, Sessions
 from celery_pulse.store.base import Store
 from celery_pulse.store.credentials import (
-    CONSUME,
     Credential,
     CredentialStore,
-    Forbidden,
-    Unauthenticated,
 )
 from celery_pulse.store.gateway_state import GatewayState
 
@@ -309,17 +306,10 @@ class Gateway(Handshake, Operations):
 
     async def _authorised(self, credential: Credential, queue: str) -> Credential:
         """The credential as the store has it now, if it still may consume ``queue``."""
-        try:
-            fresh = await self._store(self.credentials.get_credential, credential.credential_id)
-            if fresh is None:
-                raise Unauthenticated()
+        fresh = await self._store(self.credentials.get_credential, credential.credential_id)
+        if fresh is not None:
             self._credentials_now[fresh.credential_id] = fresh
-            fresh.require(CONSUME, queue)
-        except Unauthenticated as exc:
-            raise ProtocolError(Code.UNAUTHENTICATED, exc.message) from None
-        except Forbidden as exc:
-            raise ProtocolError(Code.FORBIDDEN, exc.message) from None
-        return fresh
+        return consuming(fresh, queue)
     def _replaced(self, previous: Session) -> None:
         self._end_session(previous, ProtocolError(Code.SESSION_MISMATCH, REPLACED))
 
@@ -366,11 +356,8 @@ class Gateway(Handshake, Operations):
 
 def _order_key(frame: Frame) -> str:
     """What a frame is applied in order with: its attempt's other frames, or its kind's."""
-    body = frame.body
-    ref = body.ref if isinstance(body, frames.Finish) else body
-    if isinstance(ref, frames.AttemptRef):
-        return "attempt:" + ref.attempt_id
-    return "type:" + frame.type
+    ref = attempt_ref(frame.body)
+    return "type:" + frame.type if ref is None else "attempt:" + ref.attempt_id
 
 
 def _sid(session: Session | None) -> str | None:

@@ -35,6 +35,7 @@ from typing import Any
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
 from celery_pulse.gateway.client import Answer, Assigned, GatewayClient, Pending
 from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.gateway.replies import UNANSWERED
 from celery_pulse.settings import Settings
 from celery_pulse.store.base import (
     FAILED,
@@ -160,7 +161,7 @@ class GatewayStore(RegistryStore, ClaimStore):
             try:
                 answer: Answer | ProtocolError = self.client.attempt_answer(assigned, pending)
             except ProtocolError as exc:
-                if exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
+                if exc.code in UNANSWERED:
                     unavailable = exc
                 answer = exc
             answers.append((task_id, answer))
@@ -190,7 +191,7 @@ class GatewayStore(RegistryStore, ClaimStore):
             try:
                 answer = self.client.finish_answer(assigned, pending)
             except ProtocolError as exc:
-                if exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
+                if exc.code in UNANSWERED:
                     unavailable = exc  # kept: the finish is sent again when retried
                     continue
                 out[c.task_id] = "evidence"
@@ -326,5 +327,5 @@ class GatewayStore(RegistryStore, ClaimStore):
 
     @staticmethod
     def _raise_if_unavailable(exc: ProtocolError | None) -> None:
-        if exc is not None and exc.code in (Code.UNAVAILABLE, Code.INTERNAL):
+        if exc is not None and exc.code in UNANSWERED:
             raise StoreUnavailable(f"the gateway could not answer: {exc.message}") from exc

@@ -56,12 +56,17 @@ class MemoryCredentials(CredentialStore):
             live = (row[1],) if row[2] is None or row[3] <= self._clock() else (row[1], row[2])
             return self._now(row[0]), live
 
+    def _row(self, name_or_id: str) -> list[Any] | None:
+        """The row of the credential with this name or id (the lock held)."""
+        for credential_id, row in self._rows.items():
+            if name_or_id in (row[0].name, credential_id):
+                return row
+        return None
+
     def _find(self, name_or_id: str) -> Credential | None:
         with self._lock:
-            for credential_id, row in self._rows.items():
-                if name_or_id in (row[0].name, credential_id):
-                    return self._now(row[0])
-        return None
+            row = self._row(name_or_id)
+            return None if row is None else self._now(row[0])
 
     def _rotate(self, credential_id: str, secret_digest: str, grace: float, who: str
                 ) -> Credential | None:
@@ -77,13 +82,12 @@ class MemoryCredentials(CredentialStore):
 
     def _revoke(self, name_or_id: str, who: str) -> Credential:
         with self._lock:
-            for credential_id, row in self._rows.items():
-                if name_or_id in (row[0].name, credential_id):
-                    if row[0].revoked_at is None:
-                        row[0] = dataclasses.replace(row[0], revoked_at=self._clock(),
-                                                     revoked_by=who)
-                    return self._now(row[0])
-        raise not_found(name_or_id)
+            row = self._row(name_or_id)
+            if row is None:
+                raise not_found(name_or_id)
+            if row[0].revoked_at is None:
+                row[0] = dataclasses.replace(row[0], revoked_at=self._clock(), revoked_by=who)
+            return self._now(row[0])
 
     def list_credentials(self, include_revoked: bool = True) -> list[Credential]:
         with self._lock:

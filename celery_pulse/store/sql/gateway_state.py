@@ -40,13 +40,11 @@ class SqlGatewayState(GatewayState):
 
         def body(conn: sa.Connection) -> Opened:
             # The first hello's identity is kept; the next generation only for the same.
-            conn.execute(sa.update(table).where(
-                table.c.instance_id == instance_id, table.c.identity_digest.is_(None))
-                .values(identity_digest=identity))
             moved = conn.execute(sa.update(table).where(
-                table.c.instance_id == instance_id, table.c.identity_digest == identity)
-                .values(generation=table.c.generation + 1, session_id=session_id,
-                        gateway=gateway[:255], seen_at=self.conns.now))
+                table.c.instance_id == instance_id,
+                sa.or_(table.c.identity_digest.is_(None), table.c.identity_digest == identity))
+                .values(identity_digest=identity, generation=table.c.generation + 1,
+                        session_id=session_id, gateway=gateway[:255], seen_at=self.conns.now))
             if moved.rowcount != 1:
                 raise IdentityChanged()
             row = conn.execute(sa.select(
