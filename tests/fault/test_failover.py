@@ -97,6 +97,20 @@ def _count(url: str, sql: str, params: dict[str, Any] | None = None) -> int:
         engine.dispose()
 
 
+def _sessions(url: str) -> str:
+    """The client sessions still on ``url``, to say which part of a worker kept one."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(
+                "select application_name, state, backend_start, left(query, 120) "
+                "from pg_stat_activity where backend_type = 'client backend' "
+                "and pid <> pg_backend_pid()")).all()
+    finally:
+        engine.dispose()
+    return "sessions left:\n" + "\n".join(" | ".join(map(str, row)) for row in rows)
+
+
 def _read(store_url: str, history: str) -> tuple[list[ClaimState], list[Event],
                                                 list[tuple[str, int, float]], list[Any],
                                                 list[PermitHold], list[Any], set[str]]:
@@ -196,8 +210,12 @@ def test_primary_lost_and_standby_promoted_under_load(
     elapsed = time.monotonic() - started
     assert_alive(*ws)
     if mode == "read_only":  # nothing stays on the demoted primary
-        wait_alive(lambda: _count(replicated_pg.primary.url, OTHER_SESSIONS) == 0, 15,
-                   "the workers' sessions on the demoted primary to close", ws, interval=0.5)
+        try:
+            wait_alive(lambda: _count(replicated_pg.primary.url, OTHER_SESSIONS) == 0, 15,
+                       "the workers' sessions on the demoted primary to close", ws,
+                       interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{_sessions(replicated_pg.primary.url)}\n{exc}") from None
     claims, events, effects, slots, holds, finished, started = _read(replicated_pg.url,
                                                                      history)
     report = check(submitted, claims, events, [(t, e) for t, e, _ in effects], slots,

@@ -139,6 +139,28 @@ def test_the_pool_leaves_a_read_only_server_on_its_first_refused_write(
              "the pool's sessions on the demoted primary to close")
 
 
+def test_a_connection_checked_out_during_the_failover_leaves_on_its_checkin(
+        replicated_pg: ReplicatedPostgres, ha_store: SqlStore) -> None:
+    """Another thread's connection, checked out while a refused write drops the pool, is
+    closed when it is checked in: a disposed pool would keep it, idle on the demoted
+    primary, until the garbage collector found the pool (a worker's session left there
+    for as long as that takes)."""
+    store = ha_store
+    held, idle = store.engine.connect(), store.engine.connect()
+    for conn in (held, idle):
+        conn.execute(sa.text("select 1"))
+    idle.close()  # the pooled session the refused write will be made on
+    replicated_pg.demote_primary()
+    _refused(lambda: store.register(W, {}, 30.0), "the registration to be refused")
+    replicated_pg.promote()
+    wait_for(lambda: _ok(lambda: store.register(W, {}, 30.0)), 10,
+             "the registration on the new primary")
+    assert _clients(replicated_pg.primary) == 1  # the one still held
+    held.close()
+    wait_for(lambda: _clients(replicated_pg.primary) == 0, 5,
+             "the held connection to leave the demoted primary on its checkin")
+
+
 def test_a_killed_primary_is_left_for_the_promoted_standby(
         replicated_pg: ReplicatedPostgres, ha_store: SqlStore) -> None:
     store = ha_store

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -107,19 +108,47 @@ def make_engine(url: str, options: EngineOptions | None = None) -> sa.Engine:
 
 
 def drop_on_failover(engine: sa.Engine) -> None:
-    """Treat an error that says "not the primary" as a lost connection: SQLAlchemy then
-    discards the connection and every other pooled one (they reach the same server), so
-    the next checkout connects afresh and libpq's ``target_session_attrs=read-write``
-    finds the new primary of a multi-host URL. A read-only server's sessions would
-    otherwise stay in the pool, every write refused, for as long as it lives.
+    """Treat an error that says "not the primary" as a lost connection: the engine's
+    pooled connections are closed (they reach the same server), so the next checkout
+    connects afresh and libpq's ``target_session_attrs=read-write`` finds the new
+    primary of a multi-host URL. A read-only server's sessions would otherwise stay in
+    the pool, every write refused, for as long as it lives. A connection another thread
+    had checked out then is closed when it is checked in (a disposed pool would keep it,
+    idle on the old primary, until the garbage collector found the pool).
     Idempotent: ``lease.fenced()`` also installs it on the application's engine."""
     if not sa.event.contains(engine, "handle_error", _failover_is_disconnect):
         sa.event.listen(engine, "handle_error", _failover_is_disconnect)
+        sa.event.listen(engine, "connect", _stamp)
+        sa.event.listen(engine, "checkin", _drop_if_older_than_failover)
+
+
+def failed_over(engine: sa.Engine) -> None:
+    """The server said it is no longer the primary: every connection made before now is
+    closed, the idle ones at once, the checked-out ones when they are checked in."""
+    global _FAILED_OVER_AT
+    _FAILED_OVER_AT = time.monotonic()
+    engine.dispose()
+
+
+#: When this process last heard "not the primary" (monotonic; 0: never). Process-wide:
+#: a connection made before it may reach the old primary, whichever engine holds it.
+_FAILED_OVER_AT = 0.0
+_BORN = "pulse_connected_at"
 
 
 def _failover_is_disconnect(context: Any) -> None:
     if failover_error(context.original_exception):
         context.is_disconnect = True
+        failed_over(context.engine)
+
+
+def _stamp(dbapi_conn: Any, record: Any) -> None:
+    record.info[_BORN] = time.monotonic()
+
+
+def _drop_if_older_than_failover(dbapi_conn: Any, record: Any) -> None:
+    if dbapi_conn is not None and record.info.get(_BORN, 0.0) < _FAILED_OVER_AT:
+        record.invalidate()
 
 
 #: MySQL/MariaDB drivers pulse accepts, by SQLAlchemy driver name: the module each needs

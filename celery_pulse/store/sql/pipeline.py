@@ -27,6 +27,7 @@ from psycopg.adapt import PyFormat, Transformer
 
 from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.sql import pooler
+from celery_pulse.store.sql.engine import failed_over
 from celery_pulse.store.sql.errors import driver_translated, failover_error, translated
 from celery_pulse.store.sql.libpq_io import SocketCalls
 
@@ -193,7 +194,7 @@ class Pipeline:
         made afresh, to whichever host of the URL is read-write now."""
         self.close()
         if failover_error(exc):
-            self.engine.dispose()
+            failed_over(self.engine)
 
     def close(self) -> None:
         conn, self._raw, self._conn = self._conn, None, None
