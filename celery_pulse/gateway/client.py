@@ -65,6 +65,7 @@ __all__ = ["FATAL", "KEPT", "SAFETY_MARGIN", "Answer", "Assigned", "GatewayClien
 
 logger = logging.getLogger(__name__)
 
+
 class GatewayClient:
     """One worker instance's connection to a gateway (see the module's rules)."""
 
@@ -75,16 +76,13 @@ class GatewayClient:
         self.url, self._token = url, token
         self.queue_id, self.capabilities = queue_id, [dict(c) for c in capabilities]
         self.capacity = capacity
-        self.ssl_context, self.open_timeout, self.reconnect_max = (
-            ssl_context, open_timeout, reconnect_max)
+        self.ssl_context, self.open_timeout, self.reconnect_max = ssl_context, open_timeout, reconnect_max
         self.instance_id = frames.new_id()
         self._secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode()
         self.assignments: queue.Queue[Assigned] = queue.Queue()
         self.session_id: str | None = None
-        self.epoch = 0
-        self.lease_duration = 0.0
-        self._drain = False
-        self._sequence = 0
+        self.epoch, self.lease_duration = 0, 0.0
+        self._drain, self._sequence = False, 0
         self._conn: ClientConnection | None = None
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
@@ -97,8 +95,8 @@ class GatewayClient:
         self.reconnects = 0
         #: Written once per assignment: an event loop's reader wakes on it.
         self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
 
     # -- life -----------------------------------------------------------------------
     def start(self) -> None:
@@ -114,8 +112,7 @@ class GatewayClient:
                     raise
             self._closed.wait(backoff * (0.5 + secrets.randbelow(1000) / 1000))
             backoff = min(backoff * 2, self.reconnect_max)
-        self._reader = threading.Thread(target=self._read, name="pulse-gateway-client",
-                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name="pulse-gateway-client", daemon=True)
         self._reader.start()
         self.declare(self.capacity)
 

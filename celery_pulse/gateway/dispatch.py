@@ -21,6 +21,8 @@ The rules, before any code:
   store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
   token): a stale attempt can't start, renew or finish; its late finish is kept as
   evidence only. ``UNKNOWN`` ends the claim in ``needs_review``.
+* **Past its deadline, ended.** A reserved delivery whose Celery ``expires`` has passed
+  is never assigned: its claim ends revoked (:mod:`.expiry`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_pulse.errors import PulseError, StoreUnavailable
+from celery_pulse.gateway.expiry import Expiries, expired
 from celery_pulse.gateway.frames import new_id
 from celery_pulse.gateway.session import Attempt
 from celery_pulse.messages import capture, policy_for, publication_of
@@ -99,6 +102,7 @@ class Feeder(threading.Thread):
         self._batch: list[tuple[Any, ReserveRequest]] = []
         self._stop = threading.Event()
         self._room = threading.Event()
+        self._expiries = Expiries(app, store, holder)
 
     def stop(self) -> None:
         self._stop.set()
@@ -206,6 +210,7 @@ class Feeder(threading.Thread):
                 self._stop.wait(1.0)
             return
         granted: list[Assignment] = []
+        past: list[Attempt] = []  # expired: ended here, never assigned (.expiry)
         for (message, request), answer in zip(batch, answers, strict=True):
             message.ack()
             if not isinstance(answer, Grant):
@@ -216,7 +221,12 @@ class Feeder(threading.Thread):
             attempt = Attempt(request.task_id, wire_task_id(request.task_id), new_id(),
                               answer.epoch, answer.token, request.task_name,
                               answer.lease_until, sent + self.lease_ttl)
+            if expired(message.headers or {}, self.app.timezone):
+                past.append(attempt)
+                continue
             granted.append(Assignment(attempt, request.message))
+        if past:
+            self._expiries.end(past)
         if granted and self.record is not None:
             try:  # before they are sent: any gateway must know the attempts they name
                 self.record([a.attempt for a in granted])

@@ -6,7 +6,11 @@ from typing import Any
 
 from celery_pulse.store.base import Recovered
 
-_PASS_PROPERTIES = ("correlation_id", "reply_to", "delivery_mode", "priority", "expiration",
+#: Not ``expiration``: a broker TTL (RabbitMQ's, from Celery's ``expires``) would drop a
+#: re-published message nobody consumes in time, leaving its claim open, re-published
+#: at every publish lease for good. Without it the consumer judges the ``expires``
+#: header, as Celery does on receipt, and the claim ends revoked.
+_PASS_PROPERTIES = ("correlation_id", "reply_to", "delivery_mode", "priority",
                     "message_id", "timestamp", "type", "user_id", "app_id")
 
 

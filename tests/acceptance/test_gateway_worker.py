@@ -179,3 +179,4 @@ def test_a_task_ignoring_lease_lost_is_hard_stopped_and_the_remote_worker_goes_o
     assert client_app.send_task("gatewayapp.add", (1, 2), queue=env.queue).get(
         timeout=30)["sum"] == 3
     assert claim_of(gateway_store, result.id).holder == "thief"  # untouched by the stale one
+
