@@ -106,7 +106,8 @@ def stamp_publication(headers: Any = None, **_kwargs: Any) -> None:
 
 def configure_gateway_worker(app: Any) -> None:
     """With ``pulse_gateway_url``, the app's broker is the gateway (``pulsegw://``) and
-    what needs a broker of one's own is off: remote control, events, mingle and gossip."""
+    what needs a broker of one's own is off: events, mingle and gossip. Remote control
+    stays on for the ``revoke`` messages the gateway passes on (gateway/cancels.py)."""
     from kombu.transport import TRANSPORT_ALIASES
 
     TRANSPORT_ALIASES.setdefault("pulsegw", "celery_pulse.gateway.transport:Transport")
@@ -117,7 +118,7 @@ def configure_gateway_worker(app: Any) -> None:
     options["gateway_url"] = url
     app.conf.update(broker_url="pulsegw://", broker_transport_options=options,
                     result_backend="celery_pulse.gateway.results:GatewayBackend",
-                    worker_enable_remote_control=False, worker_send_task_events=False,
+                    worker_send_task_events=False,
                     task_send_sent_event=False, broker_connection_retry_on_startup=True)
 
 

@@ -100,6 +100,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                 loop.add_signal_handler(sig, stop.set)
             beats = asyncio.ensure_future(gateway.heartbeats())
             watch = asyncio.ensure_future(gateway.watch_sessions())
+            revokes = asyncio.ensure_future(gateway.listen_revokes())
             async with await gateway.serve(host.strip("[]"), int(port_text), tls) as server:
                 ports = sorted({s.getsockname()[1] for s in server.sockets})
                 click.echo(f"pulse gateway: serving pulse.worker.v1 on "
@@ -112,6 +113,7 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                 click.echo("pulse gateway: stopping (closing connections)", err=True)
             beats.cancel()
             watch.cancel()
+            revokes.cancel()
 
         recoverer.start()
         try:

@@ -20,9 +20,10 @@ The rules, before any code:
   with ``lease_until``.
 * **Fatal is fatal.** ``UNAUTHENTICATED`` and ``FORBIDDEN`` (a revoked credential, a
   queue no longer granted) end the client: waiting calls raise, nothing reconnects.
+* **A cancel is Celery's revoke.** A ``task.cancel`` of an attempt held here becomes a
+  ``revoke`` control message for the worker's own remote control (:mod:`.cancels`).
 
-Threads: callers block in :meth:`GatewayClient.call` (any thread); one reader thread
-owns the connection (reads, reconnects, re-sends).
+Threads: callers block in :meth:`GatewayClient.call`; one reader owns the connection.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ from websockets.typing import Subprotocol
 
 from celery_pulse.errors import PulseError
 from celery_pulse.gateway import frames
+from celery_pulse.gateway.cancels import revoke_control
 from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.gateway.held import Held, assigned_of
 from celery_pulse.gateway.redact import wire_logger
 from celery_pulse.gateway.replies import (
     FATAL,
@@ -80,15 +83,15 @@ class GatewayClient:
         self.instance_id = frames.new_id()
         self._secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode()
         self.assignments: queue.Queue[Assigned] = queue.Queue()
+        #: Celery ``revoke`` control messages from ``task.cancel`` frames (.cancels).
+        self.controls: queue.Queue[dict[str, Any]] = queue.Queue()
         self.session_id: str | None = None
         self.epoch, self.lease_duration = 0, 0.0
         self._drain, self._sequence = False, 0
         self._conn: ClientConnection | None = None
         self._lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
-        self._held: dict[str, Mapping[str, str]] = {}  # attempt_id -> ref, to resume
-        #: (Celery task id, epoch) -> the assignment, until it is finished or lost.
-        self._by_task: dict[tuple[str, int], Assigned] = {}
+        self._attempts = Held()
         self._closed = threading.Event()
         self._fatal: PulseError | None = None
         self._reader: threading.Thread | None = None
@@ -141,20 +144,13 @@ class GatewayClient:
 
     def assigned_for(self, task_id: str, epoch: int) -> Assigned | None:
         """The assignment of ``task_id`` under ``epoch`` this instance holds, if any."""
-        with self._lock:
-            return self._by_task.get((task_id, epoch))
+        return self._attempts.get(task_id, epoch)
 
     def forget(self, ref: Mapping[str, str], *, lost_only: bool = False) -> None:
         """Stop resuming this attempt; unless ``lost_only``, forget it altogether (it
         finished, or was given up). A lost attempt is still found by :meth:`assigned_for`:
         its late finish must still reach the gateway, to be kept as evidence."""
-        with self._lock:
-            self._held.pop(ref["attempt_id"], None)
-            if lost_only:
-                return
-            for key, value in list(self._by_task.items()):
-                if value.ref["attempt_id"] == ref["attempt_id"]:
-                    del self._by_task[key]
+        self._attempts.forget(ref, lost_only=lost_only)
 
     # -- operations (blocking, any thread) --------------------------------------------
     def declare(self, capacity: int, drain: bool | None = None) -> Answer:
@@ -312,7 +308,7 @@ class GatewayClient:
             return
         self.reconnects += 1
         with self._lock:
-            held = list(self._held.values())
+            held = self._attempts.to_resume()
             pending = list(self._pending.values())
             self._sequence += 1
             capacity = {"sequence": str(self._sequence), "capacity": self.capacity,
@@ -348,17 +344,15 @@ class GatewayClient:
 
     def _route(self, frame: frames.Frame) -> None:
         if frame.type == "task.assign":
-            body = frame.body
-            task = body["task"]
-            ref = {k: body[k] for k in ("task_id", "attempt_id", "epoch", "lease_secret")}
-            assigned = Assigned(task["id"], task["name"], task, ref, body["lease_until"],
-                                time.monotonic())
-            with self._lock:
-                self._held[ref["attempt_id"]] = ref
-                self._by_task[(assigned.task_id, int(ref["epoch"]))] = assigned
-                while len(self._by_task) > KEPT:  # lost ones nobody finished: the oldest
-                    del self._by_task[next(iter(self._by_task))]
+            assigned = assigned_of(frame.body)
+            self._attempts.add(assigned)
             self.assignments.put(assigned)
+        elif frame.type == "task.cancel":
+            held = self._attempts.of_attempt(str(frame.body.get("attempt_id")))
+            if held is None:
+                return
+            self.controls.put(revoke_control(held.task_id, frame.body))
+        if frame.type in ("task.assign", "task.cancel"):
             with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
                 os.write(self._wake_w, b"!")
             return

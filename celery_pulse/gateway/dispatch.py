@@ -21,8 +21,9 @@ The rules, before any code:
   store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
   token): a stale attempt can't start, renew or finish; its late finish is kept as
   evidence only. ``UNKNOWN`` ends the claim in ``needs_review``.
-* **Past its deadline, ended.** A reserved delivery whose Celery ``expires`` has passed
-  is never assigned: its claim ends revoked (:mod:`.expiry`).
+* **Past its deadline, or revoked: ended.** A reserved delivery whose Celery ``expires``
+  has passed, or whose id Celery's broadcast revoked (:mod:`.revokes`), is never
+  assigned: its claim ends revoked (:mod:`.expiry`).
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_pulse.errors import PulseError, StoreUnavailable
-from celery_pulse.gateway.expiry import Expiries, expired
+from celery_pulse.gateway.expiry import REVOKED_REASON, NeverRun, expired
 from celery_pulse.gateway.frames import new_id
+from celery_pulse.gateway.protocol import REVOKED_CODE
 from celery_pulse.gateway.session import Attempt
 from celery_pulse.messages import capture, policy_for, publication_of
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
+    REVOKED,
     SUCCEEDED,
     Completion,
     Grant,
@@ -62,6 +65,11 @@ HOLD_FOR = 1.0
 
 #: The protocol's outcomes, as claim outcomes.
 OUTCOMES = {"SUCCEEDED": SUCCEEDED, "FAILED": FAILED, "UNKNOWN": NEEDS_REVIEW}
+
+
+def claim_outcome(outcome: str, error_code: str | None) -> str:
+    """A finish's outcome as the claim's: Celery's revoke is ``revoked``, not failed."""
+    return REVOKED if outcome == "FAILED" and error_code == REVOKED_CODE else OUTCOMES[outcome]
 
 
 def wire_task_id(task_id: str) -> str:
@@ -91,7 +99,7 @@ class Feeder(threading.Thread):
                  on_lost: str | None, max_attempts: int, free: Callable[[], int],
                  on_assign: Callable[[Assignment], None],
                  record: Callable[[list[Attempt]], None] | None = None,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, revoked: Callable[[str], bool] | None = None) -> None:
         super().__init__(name=f"pulse-gateway-feeder-{queue}", daemon=True)
         self.app, self.store, self.holder, self.queue = app, store, holder, queue
         self.lease_ttl, self.on_lost, self.max_attempts = lease_ttl, on_lost, max_attempts
@@ -102,7 +110,9 @@ class Feeder(threading.Thread):
         self._batch: list[tuple[Any, ReserveRequest]] = []
         self._stop = threading.Event()
         self._room = threading.Event()
-        self._expiries = Expiries(app, store, holder)
+        self._never_run = NeverRun(app, store, holder)
+        #: Whether Celery's broadcast revoked a task id (.revokes), if heard.
+        self.revoked = revoked
 
     def stop(self) -> None:
         self._stop.set()
@@ -211,6 +221,7 @@ class Feeder(threading.Thread):
             return
         granted: list[Assignment] = []
         past: list[Attempt] = []  # expired: ended here, never assigned (.expiry)
+        revoked: list[Attempt] = []  # likewise
         for (message, request), answer in zip(batch, answers, strict=True):
             message.ack()
             if not isinstance(answer, Grant):
@@ -223,10 +234,14 @@ class Feeder(threading.Thread):
                               answer.lease_until, sent + self.lease_ttl)
             if expired(message.headers or {}, self.app.timezone):
                 past.append(attempt)
-                continue
-            granted.append(Assignment(attempt, request.message))
+            elif self.revoked is not None and self.revoked(request.task_id):
+                revoked.append(attempt)
+            else:
+                granted.append(Assignment(attempt, request.message))
         if past:
-            self._expiries.end(past)
+            self._never_run.end(past)
+        if revoked:
+            self._never_run.end(revoked, REVOKED_REASON)
         if granted and self.record is not None:
             try:  # before they are sent: any gateway must know the attempts they name
                 self.record([a.attempt for a in granted])
@@ -280,6 +295,6 @@ class Fenced:
         claim says (an attempt never started has no authority to finish)."""
         token = LOST_TOKEN if stale else attempt.token
         answers = self.store.complete(self.holder, [Completion(
-            attempt.task_id, attempt.epoch, token, OUTCOMES[outcome], error,
+            attempt.task_id, attempt.epoch, token, claim_outcome(outcome, error), error,
             None if stale else result, returned)])
         return answers.get(attempt.task_id, "evidence")

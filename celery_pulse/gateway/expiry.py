@@ -1,4 +1,4 @@
-"""Deliveries past Celery's ``expires``, ended at the gateway instead of assigned.
+"""Deliveries past Celery's ``expires`` (or revoked), ended at the gateway, never assigned.
 
 Seed 003 §5: a task still waiting past its deadline ends; it is not dispatched. Celery's
 deadline is the message's ``expires`` header, and a Celery worker judges it on receipt,
@@ -29,10 +29,9 @@ from celery_pulse.store.base import REVOKED, Completion, Store
 
 logger = logging.getLogger(__name__)
 
-#: The reason stored with the task's ``TaskRevokedError``, as a Celery worker writes it.
-REASON = "expired"
-#: The error kept with the claim.
-ERROR = "expired before it ran"
+#: The reasons stored with the task's ``TaskRevokedError``, as a Celery worker writes
+#: them; the claim keeps "<reason> before it ran".
+EXPIRED, REVOKED_REASON = "expired", "revoked"
 
 
 def expired(headers: Mapping[str, Any], tz: Any, now: datetime | None = None) -> bool:
@@ -51,15 +50,17 @@ def expired(headers: Mapping[str, Any], tz: Any, now: datetime | None = None) ->
     return bool((now or datetime.now(timezone.utc)) > deadline)
 
 
-class Expiries:
-    """Ends expired reservations of one holder (blocking: the feeder's thread)."""
+class NeverRun:
+    """Ends reservations of one holder that must not run: expired ones here, revoked ones
+    (:mod:`.revokes`) the same way (blocking: call it from a thread)."""
 
     def __init__(self, app: Any, store: Store, holder: str) -> None:
         self.app, self.store, self.holder = app, store, holder
         self._carried: bool | None = None
 
-    def end(self, attempts: Sequence[Attempt]) -> None:
-        """Each attempt's claim ``revoked`` and its result ``REVOKED`` (see the rules)."""
+    def end(self, attempts: Sequence[Attempt], reason: str = EXPIRED) -> list[Attempt]:
+        """Each attempt's claim ``revoked`` and its result ``REVOKED`` (see the rules);
+        those the store ended (the others had started, or ended, meanwhile)."""
         backend: Any = getattr(self.app, "backend", None)
         if self._carried is None:
             url = getattr(self.store, "url", None)
@@ -70,24 +71,28 @@ class Expiries:
             record = None
             if self._carried and backend is not None:
                 with deferred_result(attempt.task_id) as deferral:
-                    backend.mark_as_revoked(attempt.task_id, REASON)
+                    backend.mark_as_revoked(attempt.task_id, reason)
                 record = deferral.record
             completions.append(Completion(attempt.task_id, attempt.epoch, attempt.token,
-                                          REVOKED, ERROR, record))
+                                          REVOKED, f"{reason} before it ran", record))
         try:
             answers = self.store.complete(self.holder, completions)
         except PulseError as exc:  # the leases expire; Recover brings them back here
-            logger.warning("pulse gateway: could not end %d expired task(s) (%s)",
-                           len(attempts), exc)
-            return
+            logger.warning("pulse gateway: could not end %d %s task(s) (%s)",
+                           len(attempts), reason, exc)
+            return []
+        ended = []
         for attempt in attempts:
             applied = answers.get(attempt.task_id) == "applied"
-            logger.info("pulse gateway: %s[%s] expired before it ran: revoked%s",
-                        attempt.task_name, attempt.task_id,
-                        "" if applied else " (already ended)")
+            logger.info("pulse gateway: %s[%s] %s before it ran: revoked%s",
+                        attempt.task_name, attempt.task_id, reason,
+                        "" if applied else " (not: it had started or ended)")
+            if applied:
+                ended.append(attempt)
             if applied and backend is not None and not self._carried:
                 try:
-                    backend.mark_as_revoked(attempt.task_id, REASON)
+                    backend.mark_as_revoked(attempt.task_id, reason)
                 except Exception as exc:  # the claim is settled; the result is lost: say so
-                    logger.warning("pulse gateway: result of expired %s not stored: %r",
-                                   attempt.task_id, exc)
+                    logger.warning("pulse gateway: result of %s %s not stored: %r",
+                                   reason, attempt.task_id, exc)
+        return ended

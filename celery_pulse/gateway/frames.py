@@ -261,7 +261,7 @@ def decode_server(data: str | bytes) -> Frame:
     """Read one frame the gateway sent: the envelope is checked, the body left a dict.
 
     ``ack`` and ``worker.welcome`` answer a request (``reply_to`` required); ``task.assign``
-    answers none (``reply_to`` refused); ``error`` carries ``error`` instead of ``body``,
+    and ``task.cancel`` answer none (``reply_to`` refused); ``error`` carries ``error`` instead of ``body``,
     and ``reply_to`` when the failed frame's message_id could be read.
     """
     frame, kind, message_id = _envelope(data, SERVER_TYPES, _SERVER_ENVELOPE)
@@ -270,8 +270,8 @@ def decode_server(data: str | bytes) -> Frame:
         reply_to = None if "reply_to" not in frame else identifier(frame["reply_to"], "reply_to")
         if kind in ("ack", "worker.welcome") and reply_to is None:
             invalid(f"{kind} requires a reply_to")
-        if kind == "task.assign" and reply_to is not None:
-            invalid("task.assign must not carry a reply_to")
+        if kind in ("task.assign", "task.cancel") and reply_to is not None:
+            invalid(f"{kind} must not carry a reply_to")
         error = None
         body = None
         if kind == "error":

@@ -33,6 +33,7 @@ from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.link import Closing, Limits, Link
 from celery_pulse.gateway.outcomes import Results
 from celery_pulse.gateway.presence import Presence
+from celery_pulse.gateway.protocol import REVOKED_CODE
 from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
@@ -43,6 +44,7 @@ from celery_pulse.gateway.receipts import (
     timestamp,
     welcome_body,
 )
+from celery_pulse.gateway.revoking import Revoking
 from celery_pulse.gateway.session import (
     FINISHED,
     LEASED,
@@ -61,7 +63,7 @@ logger = logging.getLogger("celery_pulse.gateway.server")
 T = TypeVar("T")
 
 
-class Operations(Cluster):
+class Operations(Cluster, Revoking):
     """A gateway's instances, operations and dispatch (no connection handling)."""
 
     def __init__(self, now: Callable[[], float], limits: Limits, *, store: Store | None,
@@ -129,9 +131,8 @@ class Operations(Cluster):
                 await self._write_result(attempt, finish)
             if answer == "applied" and self.events is not None:
                 self._spawn(self.events.send(
-                    "task-succeeded" if finish.outcome == "SUCCEEDED" else "task-failed",
-                    self._holders[instance.instance_id], uuid=attempt.task_id,
-                    exception=finish.error_code or "", result=""))
+                    _event_of(finish), self._holders[instance.instance_id],
+                    uuid=attempt.task_id, exception=finish.error_code or "", result=""))
             now = await self._store_now()
             state = {"applied": OUTCOME_STATES[finish.outcome],
                      "duplicate": OUTCOME_STATES[finish.outcome]}.get(answer, "UNKNOWN")
@@ -251,7 +252,8 @@ class Operations(Cluster):
                         instance.identity.queue_id, lease_ttl=self.limits.lease_ttl,
                         on_lost=self.on_lost, max_attempts=self.max_attempts, free=free,
                         on_assign=on_assign, record=self._recorder(instance),
-                        prefetch=max(1, instance.capacity.capacity))
+                        prefetch=max(1, instance.capacity.capacity),
+                        revoked=self._is_revoked)
         self._feeders[instance.instance_id] = feeder
         feeder.start()
 
@@ -318,3 +320,9 @@ class Operations(Cluster):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+
+def _event_of(finish: frames.Finish) -> str:
+    """The Celery event an applied finish is (Flower's view of it)."""
+    if finish.outcome == "SUCCEEDED":
+        return "task-succeeded"
+    return "task-revoked" if finish.error_code == REVOKED_CODE else "task-failed"

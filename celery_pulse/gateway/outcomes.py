@@ -17,7 +17,7 @@ from typing import Any
 
 from celery_pulse.deferral import DEFERRED_STATES, carried_by_completions, deferred_result
 from celery_pulse.gateway.dispatch import Fenced
-from celery_pulse.gateway.protocol import Finish
+from celery_pulse.gateway.protocol import REVOKED_CODE, Finish
 from celery_pulse.gateway.session import LEASED, Attempt
 from celery_pulse.store.base import Store
 
@@ -77,6 +77,15 @@ class Results:
         if backend is None or finish.outcome == "UNKNOWN":
             return None, None
         from celery import states
+
+        if finish.outcome == "FAILED" and finish.error_code == REVOKED_CODE:
+            # Celery's revoke on the worker (terminated, or revoked before it ran): its
+            # parent's REVOKED, whatever the pool's failure said after.
+            from celery.exceptions import TaskRevokedError
+
+            return states.REVOKED, functools.partial(
+                backend.store_result, attempt.task_id, TaskRevokedError("terminated"),
+                states.REVOKED)
 
         meta = finish.result.get("celery_meta") if isinstance(finish.result, dict) else None
         if isinstance(meta, dict) and isinstance(meta.get("status"), str):

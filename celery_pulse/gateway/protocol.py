@@ -156,7 +156,11 @@ CLIENT_TYPES: Final[Mapping[str, type[Body]]] = MappingProxyType({
     "task.renew": AttemptRef,
     "task.finish": Finish,
 })
-SERVER_TYPES: Final = frozenset({"worker.welcome", "ack", "error", "task.assign"})
+#: The error code of a ``FAILED`` finish that is Celery's revoke (``terminate``, or
+#: revoked before it ran): the claim ends ``revoked`` and the result ``REVOKED``.
+REVOKED_CODE: Final = "celery.revoked"
+SERVER_TYPES: Final = frozenset({"worker.welcome", "ack", "error", "task.assign",
+                                  "task.cancel"})
 HELLO: Final = "worker.hello"
 MAX_LABEL: Final = 128
 MAX_QUEUE_ID: Final = 255

@@ -296,5 +296,8 @@ class Sessions:
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
 
+    def instances(self) -> list[Instance]:
+        return list(self._instances.values())
+
     def __len__(self) -> int:
         return len(self._instances)

@@ -5,7 +5,9 @@ already reserved in the store for this instance, and acknowledged to the real br
 the gateway. So acknowledging here is kombu's bookkeeping only, giving a delivery back
 keeps it in this process (its lease at the gateway decides), and nothing can be
 published: a gateway worker holds no broker credentials (``self.retry()``, canvas and
-``apply_async`` from a task fail with a clear error; docs/gateway.md).
+``apply_async`` from a task fail with a clear error; docs/gateway.md). Its remote-control
+queue holds only the ``revoke`` messages its gateway's ``task.cancel`` frames carry
+(:mod:`.cancels`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from kombu.transport import virtual
 
 from celery_pulse.errors import PulseError
+from celery_pulse.gateway.cancels import PIDBOX_SUFFIX, pidbox_message
 from celery_pulse.gateway.worker import EPOCH_HEADER, client_for
 
 #: How often the worker's loop looks for an assignment (the client fills a queue).
@@ -45,6 +48,8 @@ class Channel(virtual.Channel):
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         client = self._client()
+        if client is not None and queue.endswith(PIDBOX_SUFFIX):
+            return pidbox_message(client.controls.get_nowait(), queue)  # Empty if none
         if client is None or queue != client.queue_id:
             raise queue_module.Empty()
         if self._returned:
@@ -70,6 +75,8 @@ class Channel(virtual.Channel):
 
     def _size(self, queue: str) -> int:
         client = self._client()
+        if client is not None and queue.endswith(PIDBOX_SUFFIX):
+            return int(client.controls.qsize())
         if client is None or queue != client.queue_id:
             return 0
         return int(client.assignments.qsize()) + len(self._returned)
@@ -100,7 +107,10 @@ class Transport(virtual.Transport):
     driver_type = "pulsegw"
     driver_name = "pulsegw"
     polling_interval = POLLING_INTERVAL
-    implements = virtual.Transport.implements.extend(asynchronous=True)
+    #: ``fanout``: Celery's remote control consumes its broadcast queue (only the
+    #: revokes :mod:`.cancels` puts there; nothing is ever published to it).
+    implements = virtual.Transport.implements.extend(
+        asynchronous=True, exchange_type=frozenset({"direct", "topic", "fanout"}))
 
     def driver_version(self) -> str:
         return "1"

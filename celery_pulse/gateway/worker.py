@@ -35,6 +35,7 @@ from typing import Any
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
 from celery_pulse.gateway.client import Answer, Assigned, GatewayClient, Pending
 from celery_pulse.gateway.frames import Code, ProtocolError
+from celery_pulse.gateway.protocol import REVOKED_CODE
 from celery_pulse.gateway.replies import UNANSWERED
 from celery_pulse.settings import Settings
 from celery_pulse.store.base import (
@@ -63,7 +64,7 @@ _Asked = tuple[str, Assigned, Pending]
 
 #: Claim outcomes as the protocol's, with the error code a failure carries.
 OUTCOMES = {SUCCEEDED: ("SUCCEEDED", None), FAILED: ("FAILED", "celery.failure"),
-            REVOKED: ("FAILED", "celery.revoked"), NEEDS_REVIEW: ("UNKNOWN", "celery.unknown")}
+            REVOKED: ("FAILED", REVOKED_CODE), NEEDS_REVIEW: ("UNKNOWN", "celery.unknown")}
 #: The gateway's dispositions as the store's completion answers.
 ANSWERS = {"APPLIED": "applied", "DUPLICATE": "duplicate", "EVIDENCE_ONLY": "evidence"}
 

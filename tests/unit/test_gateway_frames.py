@@ -208,7 +208,7 @@ REFUSALS: dict[str, tuple[str | bytes, str, str | None]] = {
     "protocol_version as a number": (text(wire(protocol_version=1)), Code.INVALID_FRAME, MID),
     "protocol_version missing": (edit("task.start", lambda f: f.pop("protocol_version")),
                                  Code.INVALID_FRAME, MID),
-    "unknown type": (text(wire(type="task.cancel")), Code.UNKNOWN_TYPE, MID),
+    "unknown type": (text(wire(type="task.pause")), Code.UNKNOWN_TYPE, MID),
     "a server type from a client": (text(wire(type="ack")), Code.UNKNOWN_TYPE, MID),
     "type missing": (edit("task.start", lambda f: f.pop("type")), Code.INVALID_FRAME, MID),
     "type not a string": (text(wire(type=7)), Code.INVALID_FRAME, MID),
@@ -494,7 +494,7 @@ def _server(**fields: Any) -> str:
 SERVER_REFUSALS: dict[str, tuple[str | bytes, str]] = {
     "binary": (b"{}", Code.INVALID_FRAME),
     "a client type": (_server(type="task.start", session_id=SID, body=REF), Code.UNKNOWN_TYPE),
-    "unknown type": (_server(type="task.cancel", body={}), Code.UNKNOWN_TYPE),
+    "unknown type": (_server(type="task.pause", body={}), Code.UNKNOWN_TYPE),
     "version 2": (_server(type="ack", protocol_version="2", reply_to=MID, body={}),
                   Code.UNSUPPORTED_VERSION),
     "ack without reply_to": (_server(type="ack", body={}), Code.INVALID_FRAME),

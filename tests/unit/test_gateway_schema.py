@@ -32,6 +32,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from jsonschema import Draft202012Validator
 
 from celery_pulse.gateway import frames
+from celery_pulse.gateway.cancels import cancel_body, revoke_control
 from celery_pulse.gateway.frames import (
     CLIENT_TYPES,
     INT64_MAX,
@@ -298,6 +299,20 @@ def test_every_ack_the_gateway_writes_is_valid(name: str) -> None:
     assert_server(json.loads(encode(ack(MID, None, _receipts()[name]))))
 
 
+def test_the_cancels_the_gateway_writes_are_valid_and_the_worker_reads_them() -> None:
+    for terminate, signal in ((False, None), (True, None), (True, "SIGKILL")):
+        body = cancel_body(new_id(), new_id(), 3, terminate, signal)
+        assert set(body) <= properties("cancel_body")
+        frame = json.loads(encode(Frame("task.cancel", new_id(), body, SID)))
+        assert_server(frame)
+        control = revoke_control("celery-id", frames.decode_server(json.dumps(frame)).body)
+        assert control["arguments"] == {"task_id": "celery-id", "terminate": terminate,
+                                        **({"signal": signal} if signal else {})}
+    with pytest.raises(ProtocolError):  # the gateway sends it on its own
+        frames.decode_server(json.dumps(
+            {**json.loads(encode(Frame("task.cancel", new_id(), body, SID))), "reply_to": MID}))
+
+
 def test_the_welcome_and_the_assignment_the_gateway_writes_are_valid() -> None:
     instance = SimpleNamespace(capacity=SimpleNamespace(drain=False))
     session = SimpleNamespace(session_id=new_id(), epoch=1)
@@ -473,7 +488,7 @@ CLIENT_INVALID: dict[str, dict[str, Any]] = {
     "error_code with a trailing newline": _failed(error_code="E1\n"),
     # envelope and body rules
     "protocol_version 2": wire("task.start", protocol_version="2"),
-    "unknown type": wire("task.start", type="task.cancel"),
+    "unknown type": wire("task.start", type="task.pause"),
     "a gateway type from a worker": wire("task.start", type="ack"),
     "hello with a session_id": wire("worker.hello", session_id=SID),
     "SUCCEEDED with an error_code": _set("task.finish", "body.error_code", "E1"),
@@ -501,7 +516,7 @@ _ACK = _receipts()["start"]
 
 SERVER_INVALID: dict[str, dict[str, Any]] = {
     "a worker type": _server("task.start", session_id=SID, body=REF),
-    "unknown type": _server("task.cancel", body={}),
+    "unknown type": _server("task.pause", body={}),
     "version 2": _server("ack", protocol_version="2", reply_to=MID, body=_ACK),
     "ack without reply_to": _server("ack", body=_ACK),
     "welcome without reply_to": _server("worker.welcome", body=_receipts()["capacity"]),

@@ -1,0 +1,85 @@
+"""Celery's revoke reaches remote workers: ``AsyncResult.revoke()`` (the broadcast every
+Celery worker hears) is heard by the gateway, which ends what was not started and sends
+``task.cancel`` to the instance holding the task, whose own Celery revokes it
+(``terminate`` included), as on a direct worker.
+
+Real processes: the gateway (PostgreSQL, RabbitMQ, TLS) and a remote worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+
+from celery_pulse.store.sql import SqlStore
+from tests.helpers.gateway import GatewayProcess, claim_of
+from tests.helpers.workers import Env, Worker, wait_for
+
+
+@pytest.fixture
+def env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
+    made = make_env(pg_url, rabbitmq_url, {"result_backend": "pulse://", "pulse_lease_ttl": 4,
+                                           "pulse_recover_interval": 0.5})
+    made.app = "tests.apps.opsapp"
+    return made
+
+
+def _state(client_app: Celery, task_id: str) -> str:
+    return str(AsyncResult(task_id, app=client_app).state)
+
+
+def _hearing(gateway: GatewayProcess) -> None:
+    wait_for(lambda: "hearing Celery's revoke broadcast" in gateway.log(), 30,
+             "the gateway to hear the revoke broadcast")
+
+
+def test_revoke_with_terminate_stops_a_running_task_on_a_remote_worker(
+        env: Env, client_app: Celery, gateway: GatewayProcess, gateway_store: SqlStore,
+        remote: Callable[..., Worker]) -> None:
+    worker = remote("remote-rv1@edge", concurrency=1).wait_ready(60)
+    _hearing(gateway)
+    marker = env.tmp / "long.txt"
+    long = client_app.send_task("gatewayapp.hold", (60, str(marker)), queue=env.queue)
+    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
+             "the task to start on the remote worker")
+    long.revoke(terminate=True, signal="KILL")  # Celery's spelling, as the worker's
+    wait_for(lambda: claim_of(gateway_store, long.id).state == "revoked", 30,
+             "the claim to end revoked")
+    assert _state(client_app, long.id) == "REVOKED"
+    assert "lost" not in marker.read_text()  # terminated, not a lost lease
+    worker.wait_log(r"Terminating " + long.id + r" \(9\)", 10)  # Celery's own revoke handler did it
+    after = client_app.send_task("gatewayapp.add", (2, 3), queue=env.queue)
+    assert after.get(timeout=30)["sum"] == 5  # the worker goes on
+    assert "Traceback" not in worker.log().split("Terminating")[0]
+
+
+def test_a_revoked_task_held_but_not_started_never_runs(
+        env: Env, client_app: Celery, gateway: GatewayProcess, gateway_store: SqlStore,
+        remote: Callable[..., Worker]) -> None:
+    """One revoked while assigned to the busy worker (its prefetch) and one while still in
+    the broker: the first ends at once, the second when the gateway receives it; neither
+    runs, both REVOKED, and a plain revoke lets the running task finish."""
+    remote("remote-rv2@edge", concurrency=1).wait_ready(60)
+    _hearing(gateway)
+    marker = env.tmp / "busy.txt"
+    busy = client_app.send_task("gatewayapp.hold", (4, str(marker)), queue=env.queue)
+    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
+             "the only process to be busy")
+    waiting = [client_app.send_task("gatewayapp.add", (i, i), queue=env.queue)
+               for i in range(6)]
+    wait_for(lambda: any(c.task_id == waiting[0].id for c in gateway_store.list_claims()), 30,
+             "the first waiting task to be assigned")
+    for result in waiting:
+        result.revoke()
+    busy.revoke()  # without terminate: runs on, as on a direct worker
+    assert busy.get(timeout=30) == "held"
+    for result in waiting:
+        wait_for(lambda r=result: _state(client_app, r.id) == "REVOKED", 30,
+                 f"{result.id} to be revoked")
+        claim = claim_of(gateway_store, result.id)
+        assert claim.state == "revoked" and claim.started_at is None, claim
+    after = client_app.send_task("gatewayapp.add", (2, 3), queue=env.queue)
+    assert after.get(timeout=30)["sum"] == 5
