@@ -3,7 +3,7 @@ Celery worker hears) is heard by the gateway, which ends what was not started an
 ``task.cancel`` to the instance holding the task, whose own Celery revokes it
 (``terminate`` included), as on a direct worker.
 
-Real processes: the gateway (PostgreSQL, RabbitMQ, TLS) and a remote worker.
+Real processes: the gateway (PostgreSQL, RabbitMQ or Redis, TLS) and a remote worker.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from tests.helpers.gateway import GatewayProcess, claim_of
 from tests.helpers.workers import Env, Worker, wait_for
 
 
-@pytest.fixture
-def env(pg_url: str, rabbitmq_url: str, make_env: Callable[..., Env]) -> Env:
-    made = make_env(pg_url, rabbitmq_url, {"result_backend": "pulse://", "pulse_lease_ttl": 4,
-                                           "pulse_recover_interval": 0.5})
+@pytest.fixture(params=["rabbitmq", "redis"])
+def env(request: pytest.FixtureRequest, pg_url: str, make_env: Callable[..., Env]) -> Env:
+    """Both brokers: Celery's broadcast is a fanout exchange on RabbitMQ, PUB/SUB on Redis."""
+    broker = request.getfixturevalue(f"{request.param}_url")
+    made = make_env(pg_url, broker, {"result_backend": "pulse://", "pulse_lease_ttl": 4,
+                                     "pulse_recover_interval": 0.5})
     made.app = "tests.apps.opsapp"
     return made
 
