@@ -72,6 +72,23 @@ def claim_outcome(outcome: str, error_code: str | None) -> str:
     return REVOKED if outcome == "FAILED" and error_code == REVOKED_CODE else OUTCOMES[outcome]
 
 
+def consume_until_stopped(stop: threading.Event, consume: Callable[[], None], what: str
+                          ) -> None:
+    """Run ``consume`` (a broker consumer's loop) until ``stop``; when the broker goes
+    away, again after a backoff (0.5 s doubling to 10 s), never spinning."""
+    backoff = 0.5
+    while not stop.is_set():
+        try:
+            consume()
+            backoff = 0.5
+        except Exception as exc:
+            if stop.is_set():
+                return
+            logger.warning("pulse gateway: %s failed (%r); again in %.1fs", what, exc, backoff)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+
 def wire_task_id(task_id: str) -> str:
     """The 32-hex id the protocol names a Celery task by: its UUID's hex when it is one
     (Celery's own ids), else 128 bits of its SHA-256 (ids chosen by the publisher)."""
@@ -123,18 +140,7 @@ class Feeder(threading.Thread):
         self._room.set()
 
     def run(self) -> None:
-        backoff = 0.5
-        while not self._stop.is_set():
-            try:
-                self._consume()
-                backoff = 0.5
-            except Exception as exc:  # the broker went away: reconnect, never spin
-                if self._stop.is_set():
-                    return
-                logger.warning("pulse gateway: consuming %s failed (%r); again in %.1fs",
-                               self.queue, exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+        consume_until_stopped(self._stop, self._consume, f"consuming {self.queue}")
 
     def _consume(self) -> None:
         queue = self.app.amqp.queues[self.queue]  # declared as a Celery worker would

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from celery_pulse.gateway.dispatch import consume_until_stopped
+
 logger = logging.getLogger("celery_pulse.gateway.server")
 
 #: Celery's own bounds for a worker's revoked ids (celery.worker.state).
@@ -54,17 +56,7 @@ class Revokes(threading.Thread):
         self._stop.set()
 
     def run(self) -> None:
-        backoff = 0.5
-        while not self._stop.is_set():
-            try:
-                self._consume()
-                backoff = 0.5
-            except Exception as exc:  # the broker went away: reconnect, never spin
-                self.listening.clear()
-                logger.warning("pulse gateway: the revoke broadcast failed (%r); again in "
-                               "%.1fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+        consume_until_stopped(self._stop, self._consume, "hearing the revoke broadcast")
 
     def _consume(self) -> None:
         mailbox = self.app.control.mailbox
@@ -74,11 +66,14 @@ class Revokes(threading.Thread):
                                accept=mailbox.accept):
                 self.listening.set()
                 logger.info("pulse gateway: hearing Celery's revoke broadcast (%s)", queue.name)
-                while not self._stop.is_set():
-                    try:
-                        conn.drain_events(timeout=0.5)
-                    except TimeoutError:
-                        continue
+                try:
+                    while not self._stop.is_set():
+                        try:
+                            conn.drain_events(timeout=0.5)
+                        except TimeoutError:
+                            continue
+                finally:
+                    self.listening.clear()
 
     def _on_message(self, body: Any, message: Any) -> None:
         if not isinstance(body, dict) or body.get("method") != "revoke":

@@ -18,17 +18,13 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.store.sql import SqlStore
-from tests.helpers.gateway import claim_of, evidence_of
+from tests.helpers.gateway import broker_env, claim_of, evidence_of
 from tests.helpers.workers import Env, Worker, wait_for
 
 
 @pytest.fixture(params=["redis", "rabbitmq"])
 def env(request: pytest.FixtureRequest, pg_url: str, make_env: Callable[..., Env]) -> Env:
-    broker = request.getfixturevalue(f"{request.param}_url")
-    made = make_env(pg_url, broker, {"result_backend": "pulse://", "pulse_lease_ttl": 4,
-                                     "pulse_recover_interval": 0.5})
-    made.app = "tests.apps.opsapp"
-    return made
+    return broker_env(request, pg_url, make_env)
 
 
 def _revoked(client_app: Celery, task_id: str) -> bool:

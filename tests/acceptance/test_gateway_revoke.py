@@ -15,18 +15,14 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.store.sql import SqlStore
-from tests.helpers.gateway import GatewayProcess, claim_of
+from tests.helpers.gateway import GatewayProcess, broker_env, claim_of
 from tests.helpers.workers import Env, Worker, wait_for
 
 
 @pytest.fixture(params=["rabbitmq", "redis"])
 def env(request: pytest.FixtureRequest, pg_url: str, make_env: Callable[..., Env]) -> Env:
     """Both brokers: Celery's broadcast is a fanout exchange on RabbitMQ, PUB/SUB on Redis."""
-    broker = request.getfixturevalue(f"{request.param}_url")
-    made = make_env(pg_url, broker, {"result_backend": "pulse://", "pulse_lease_ttl": 4,
-                                     "pulse_recover_interval": 0.5})
-    made.app = "tests.apps.opsapp"
-    return made
+    return broker_env(request, pg_url, make_env)
 
 
 def _state(client_app: Celery, task_id: str) -> str:

@@ -207,6 +207,17 @@ def joined(open_peer: Callable[..., Peer], **hello: Any) -> Peer:
     return peer
 
 
+def broker_env(request: pytest.FixtureRequest, pg_url: str, make_env: Callable[..., Env]
+               ) -> Env:
+    """A gateway test's environment on the broker its fixture's param names (``rabbitmq``
+    or ``redis``): PostgreSQL, ``pulse://`` results, a 4 s lease, Recover every 0.5 s."""
+    broker = request.getfixturevalue(f"{request.param}_url")
+    made = make_env(pg_url, broker, {"result_backend": "pulse://", "pulse_lease_ttl": 4,
+                                     "pulse_recover_interval": 0.5})
+    made.app = "tests.apps.opsapp"
+    return made
+
+
 @pytest.fixture
 def client_app(env: Env) -> Iterator[Celery]:
     """A plain Celery client on the test's broker, reading results from the store."""
