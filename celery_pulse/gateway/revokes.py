@@ -11,9 +11,10 @@ process consumes that broadcast (a queue of its own, as one more worker would) a
 * hands the ids to the gateway, which ends its instances' attempts of them not started
   yet and sends ``task.cancel`` to the instance holding each (:mod:`.cancels`).
 
-``destination``, when the revoke names one, is honoured: this gateway's own name or the
-holder name of an instance (``gw:<credential>:<instance id>``). No reply is sent (a
-``revoke(..., reply=True)`` hears from the direct workers only).
+``destination``, when the revoke names one, is honoured: this gateway's node name
+(``pulse-gateway@<host>:<pid>``: everything it serves, the kept ids included) or the
+holder name of an instance (``gw:<credential>:<instance id>``: what that instance holds).
+No reply is sent (a ``revoke(..., reply=True)`` hears from the direct workers only).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class Revokes(threading.Thread):
         super().__init__(name="pulse-gateway-revokes", daemon=True)
         from celery.utils.collections import LimitedSet
 
-        self.app, self.name, self.on_revoke = app, name, on_revoke
+        self.app, self.on_revoke = app, on_revoke
+        #: This gateway as a remote-control node (its queue, and a ``destination``).
+        self.node = f"pulse-gateway@{name}"
         self.revoked = LimitedSet(maxlen=REVOKES_MAX, expires=REVOKE_EXPIRES)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -61,7 +64,7 @@ class Revokes(threading.Thread):
     def _consume(self) -> None:
         mailbox = self.app.control.mailbox
         with self.app.connection_for_read() as conn:
-            queue = mailbox.get_queue(f"pulse-gateway@{self.name}")
+            queue = mailbox.get_queue(self.node)
             with conn.Consumer([queue], callbacks=[self._on_message], no_ack=True,
                                accept=mailbox.accept):
                 self.listening.set()
@@ -84,7 +87,7 @@ class Revokes(threading.Thread):
         if not task_ids:
             return
         destination = body.get("destination")
-        if destination is None or self.name in destination:  # ours to keep
+        if destination is None or self.node in destination:  # ours to keep
             with self._lock:
                 for task_id in task_ids:
                     self.revoked.add(task_id)

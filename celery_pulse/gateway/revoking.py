@@ -76,10 +76,11 @@ class Revoking:
     async def _revoke(self, task_ids: list[str], terminate: bool, signal: str | None,
                       destination: list[str] | None) -> None:
         wanted = set(task_ids)
+        everything = destination is None or (self.revokes is not None
+                                             and self.revokes.node in destination)
         for instance in self.sessions.instances():
             holder = self._holders.get(instance.instance_id)
-            if holder is None or (destination is not None and self.name not in destination
-                                  and holder not in destination):
+            if holder is None or not (everything or holder in (destination or ())):
                 continue
             with instance.lock:
                 held = [a for a in instance.attempts.values()

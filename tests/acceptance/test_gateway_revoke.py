@@ -81,3 +81,23 @@ def test_a_revoked_task_held_but_not_started_never_runs(
         assert claim.state == "revoked" and claim.started_at is None, claim
     after = client_app.send_task("gatewayapp.add", (2, 3), queue=env.queue)
     assert after.get(timeout=30)["sum"] == 5
+
+
+def test_a_revoke_for_other_workers_is_left_to_them_and_one_naming_the_instance_is_not(
+        env: Env, client_app: Celery, gateway: GatewayProcess, gateway_store: SqlStore,
+        remote: Callable[..., Worker]) -> None:
+    remote("remote-rv3@edge", concurrency=1).wait_ready(60)
+    _hearing(gateway)
+    marker = env.tmp / "aimed.txt"
+    task = client_app.send_task("gatewayapp.hold", (60, str(marker)), queue=env.queue)
+    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
+             "the task to start on the remote worker")
+    holder = claim_of(gateway_store, task.id).holder
+    # One broadcast consumer handles them in order: once the second is acted on, the
+    # first was heard and left alone (one cancel sent, the second's).
+    client_app.control.revoke(task.id, terminate=True, destination=["celery@elsewhere"])
+    client_app.control.revoke(task.id, terminate=True, destination=[holder])
+    wait_for(lambda: claim_of(gateway_store, task.id).state == "revoked", 30,
+             "the claim to end revoked")
+    assert _state(client_app, task.id) == "REVOKED"
+    assert gateway.log().count(f"revoke of gatewayapp.hold[{task.id}] sent") == 1
