@@ -18,8 +18,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-#: The suffix of a Celery worker's remote-control queue (``<hostname>.celery.pidbox``).
-PIDBOX_SUFFIX = ".celery.pidbox"
+#: The suffix of a Celery worker's remote-control queue (``<hostname>.celery.pidbox``,
+#: ``celery`` being the app's ``control_exchange``).
+PIDBOX_SUFFIX = ".pidbox"
 #: Signal names a cancel may carry (Celery's ``revoke(signal=...)``), as Celery spells them.
 SIGNALS = frozenset({"SIGTERM", "SIGKILL", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1",
                      "SIGUSR2"})

@@ -49,8 +49,10 @@ def test_the_report_of_a_killed_worker_is_rebuilt_on_another(
         pulse_worker_node_factory: Callable[..., PulseWorkerNode]) -> None:
     result = send(celery_setup, "build_report", "q4", 30, 0.1)
     assert celery_setup.wait_for_claim(result.id, "running").holder == celery_setup.worker.hostname()
+    # SIGKILL, pool included: the report is lost mid-way (killed before the other worker
+    # starts, which may take longer than the report's 3 s on a loaded machine).
+    celery_setup.worker.kill()
     other = pulse_worker_node_factory()  # joins the cluster on the same queue
-    celery_setup.worker.kill()  # SIGKILL, pool included: the report is lost mid-way
 
     report = result.get(timeout=60)  # Recover re-dispatches it (acks_late)
     assert (report["sections"], report["epoch"]) == (30, 3)
