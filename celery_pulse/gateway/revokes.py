@@ -19,6 +19,7 @@ No reply is sent (a ``revoke(..., reply=True)`` hears from the direct workers on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -48,7 +49,7 @@ class Revokes(threading.Thread):
         self.revoked = LimitedSet(maxlen=REVOKES_MAX, expires=REVOKE_EXPIRES)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        #: Set once the broadcast queue is consumed (a revoke sent before is not heard).
+        #: Set once the broadcast is consumed (a revoke sent before is not heard).
         self.listening = threading.Event()
 
     def is_revoked(self, task_id: str) -> bool:
@@ -67,14 +68,16 @@ class Revokes(threading.Thread):
             queue = mailbox.get_queue(self.node)
             with conn.Consumer([queue], callbacks=[self._on_message], no_ack=True,
                                accept=mailbox.accept):
-                self.listening.set()
-                logger.info("pulse gateway: hearing Celery's revoke broadcast (%s)", queue.name)
                 try:
                     while not self._stop.is_set():
-                        try:
+                        with contextlib.suppress(TimeoutError):
                             conn.drain_events(timeout=0.5)
-                        except TimeoutError:
-                            continue
+                        # Said after the first turn: on Redis the subscription is sent
+                        # by the first drain, not by the consumer's creation.
+                        if not self.listening.is_set():
+                            self.listening.set()
+                            logger.info("pulse gateway: hearing Celery's revoke broadcast "
+                                        "(%s)", queue.name)
                 finally:
                     self.listening.clear()
 
