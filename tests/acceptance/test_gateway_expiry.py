@@ -18,7 +18,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.store.sql import SqlStore
-from tests.helpers.gateway import broker_env, claim_of, evidence_of
+from tests.helpers.gateway import broker_env, claim_of, evidence_of, start_hold
 from tests.helpers.workers import Env, Worker, wait_for
 
 
@@ -59,10 +59,7 @@ def test_a_task_that_expires_in_the_workers_prefetch_ends_revoked_not_redispatch
     never the loop of dispatches it was. On RabbitMQ the re-published message carries no
     broker TTL (it would be dropped unconsumed, its claim re-published for good)."""
     remote("remote-exp2@edge", concurrency=1).wait_ready(60)
-    marker = env.tmp / "busy.txt"
-    busy = client_app.send_task("gatewayapp.hold", (3, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the only process to be busy")
+    busy, _ = start_hold(client_app, env, 3, "busy.txt", "the only process to be busy")
     late = client_app.send_task("gatewayapp.add", (1, 1), queue=env.queue, expires=1.0)
     assert busy.get(timeout=30) == "held"
     wait_for(lambda: _revoked(client_app, late.id), 40, "the expired task to be revoked")

@@ -15,7 +15,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.store.sql import SqlStore
-from tests.helpers.gateway import GatewayProcess, broker_env, claim_of
+from tests.helpers.gateway import GatewayProcess, broker_env, claim_of, start_hold
 from tests.helpers.workers import Env, Worker, wait_for
 
 
@@ -39,10 +39,7 @@ def test_revoke_with_terminate_stops_a_running_task_on_a_remote_worker(
         remote: Callable[..., Worker]) -> None:
     worker = remote("remote-rv1@edge", concurrency=1).wait_ready(60)
     _hearing(gateway)
-    marker = env.tmp / "long.txt"
-    long = client_app.send_task("gatewayapp.hold", (60, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the task to start on the remote worker")
+    long, marker = start_hold(client_app, env, 60, "long.txt")
     long.revoke(terminate=True, signal="KILL")  # Celery's spelling, as the worker's
     wait_for(lambda: claim_of(gateway_store, long.id).state == "revoked", 30,
              "the claim to end revoked")
@@ -62,10 +59,7 @@ def test_a_revoked_task_held_but_not_started_never_runs(
     runs, both REVOKED, and a plain revoke lets the running task finish."""
     remote("remote-rv2@edge", concurrency=1).wait_ready(60)
     _hearing(gateway)
-    marker = env.tmp / "busy.txt"
-    busy = client_app.send_task("gatewayapp.hold", (4, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the only process to be busy")
+    busy, _ = start_hold(client_app, env, 4, "busy.txt", "the only process to be busy")
     waiting = [client_app.send_task("gatewayapp.add", (i, i), queue=env.queue)
                for i in range(6)]
     wait_for(lambda: any(c.task_id == waiting[0].id for c in gateway_store.list_claims()), 30,
@@ -88,10 +82,7 @@ def test_a_revoke_for_other_workers_is_left_to_them_and_one_naming_the_instance_
         remote: Callable[..., Worker]) -> None:
     remote("remote-rv3@edge", concurrency=1).wait_ready(60)
     _hearing(gateway)
-    marker = env.tmp / "aimed.txt"
-    task = client_app.send_task("gatewayapp.hold", (60, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the task to start on the remote worker")
+    task, _ = start_hold(client_app, env, 60, "aimed.txt")
     holder = claim_of(gateway_store, task.id).holder
     # One broadcast consumer handles them in order: once the second is acted on, the
     # first was heard and left alone (one cancel sent, the second's).

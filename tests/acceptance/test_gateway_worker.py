@@ -18,7 +18,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from celery_pulse.store.sql import SqlStore
-from tests.helpers.gateway import claim_of, evidence_of
+from tests.helpers.gateway import claim_of, evidence_of, start_hold
 from tests.helpers.proxy import Proxy
 from tests.helpers.workers import Env, Worker, wait_for
 
@@ -57,10 +57,7 @@ def test_a_remote_worker_runs_tasks_with_gateway_credentials_only(
 def test_a_killed_remote_workers_task_is_taken_over_by_recover(
         env: Env, client_app: Celery, gateway_store: SqlStore, remote: Callable[..., Worker]) -> None:
     worker = remote("remote2@edge", concurrency=1).wait_ready(60)
-    marker = env.tmp / "held.txt"
-    result = client_app.send_task("gatewayapp.hold", (60, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the task to start on the remote worker")
+    result, _ = start_hold(client_app, env, 60, "held.txt")
     assert claim_of(gateway_store, result.id).state == "running"
     os.killpg(worker.pid, signal.SIGKILL)
     # Its claim expires by the store clock; the gateway's Recover takes it over (a started
@@ -83,10 +80,7 @@ def test_a_cut_gateway_connection_mid_task_is_resumed_and_the_task_finishes_once
         env: Env, client_app: Celery, gateway_store: SqlStore, proxy: Proxy,
         remote: Callable[..., Worker]) -> None:
     worker = remote("remote4@edge", concurrency=1, through_proxy=True).wait_ready(60)
-    marker = env.tmp / "cut.txt"
-    result = client_app.send_task("gatewayapp.hold", (3, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the task to start")
+    result, marker = start_hold(client_app, env, 3, "cut.txt", "the task to start")
     assert proxy.cut() == 1  # the worker lives on; its connection doesn't
     assert result.get(timeout=30) == "held"
     assert proxy.connections >= 2  # it reconnected
@@ -105,10 +99,7 @@ def test_a_paused_remote_workers_late_outcome_is_never_authoritative(
     only: a race, as for a direct worker (tests/acceptance/test_permits.py), and both
     leave the store's verdict alone."""
     worker = remote("remote5@edge", concurrency=1).wait_ready(60)
-    marker = env.tmp / "paused.txt"
-    result = client_app.send_task("gatewayapp.hold", (2, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the task to start")
+    result, _ = start_hold(client_app, env, 2, "paused.txt", "the task to start")
     worker.signal_main(signal.SIGSTOP)
     try:
         wait_for(lambda: claim_of(gateway_store, result.id).state == "needs_review", 30,
@@ -128,10 +119,7 @@ def test_a_paused_remote_workers_late_outcome_is_never_authoritative(
 def test_a_revoked_credential_stops_the_remote_worker(
         env: Env, client_app: Celery, remote: Callable[..., Worker]) -> None:
     worker = remote("remote6@edge", concurrency=1).wait_ready(60)
-    marker = env.tmp / "revoked.txt"
-    client_app.send_task("gatewayapp.hold", (60, str(marker)), queue=env.queue)
-    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30,
-             "the task to start")
+    _, marker = start_hold(client_app, env, 60, "revoked.txt", "the task to start")
     assert env.celery("pulse", "credentials", "revoke", "runner").returncode == 0
     # Its next renewal is refused: the task loses its lease, and the worker, whose
     # session the gateway ended, stops (as one whose identity was taken).
@@ -179,4 +167,3 @@ def test_a_task_ignoring_lease_lost_is_hard_stopped_and_the_remote_worker_goes_o
     assert client_app.send_task("gatewayapp.add", (1, 2), queue=env.queue).get(
         timeout=30)["sum"] == 3
     assert claim_of(gateway_store, result.id).holder == "thief"  # untouched by the stale one
-

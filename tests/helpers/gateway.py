@@ -218,6 +218,16 @@ def broker_env(request: pytest.FixtureRequest, pg_url: str, make_env: Callable[.
     return made
 
 
+def start_hold(client_app: Celery, env: Env, seconds: float, name: str,
+               what: str = "the task to start on the remote worker") -> tuple[Any, Path]:
+    """Send ``gatewayapp.hold`` for ``seconds`` and wait until its body has started (it
+    writes ``start`` to the marker ``name``): its result and its marker."""
+    marker = env.tmp / name
+    result = client_app.send_task("gatewayapp.hold", (seconds, str(marker)), queue=env.queue)
+    wait_for(lambda: marker.exists() and "start" in marker.read_text(), 30, what)
+    return result, marker
+
+
 @pytest.fixture
 def client_app(env: Env) -> Iterator[Celery]:
     """A plain Celery client on the test's broker, reading results from the store."""
