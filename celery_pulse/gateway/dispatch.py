@@ -41,7 +41,7 @@ from typing import Any
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway.expiry import REVOKED_REASON, NeverRun, expired
 from celery_pulse.gateway.frames import new_id
-from celery_pulse.gateway.protocol import REVOKED_CODE
+from celery_pulse.gateway.protocol import is_revoke
 from celery_pulse.gateway.session import Attempt
 from celery_pulse.messages import capture, policy_for, publication_of
 from celery_pulse.store.base import (
@@ -69,7 +69,7 @@ OUTCOMES = {"SUCCEEDED": SUCCEEDED, "FAILED": FAILED, "UNKNOWN": NEEDS_REVIEW}
 
 def claim_outcome(outcome: str, error_code: str | None) -> str:
     """A finish's outcome as the claim's: Celery's revoke is ``revoked``, not failed."""
-    return REVOKED if outcome == "FAILED" and error_code == REVOKED_CODE else OUTCOMES[outcome]
+    return REVOKED if is_revoke(outcome, error_code) else OUTCOMES[outcome]
 
 
 def consume_until_stopped(stop: threading.Event, consume: Callable[[], None], what: str

@@ -33,7 +33,7 @@ from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.link import Closing, Limits, Link
 from celery_pulse.gateway.outcomes import Results
 from celery_pulse.gateway.presence import Presence
-from celery_pulse.gateway.protocol import REVOKED_CODE
+from celery_pulse.gateway.protocol import is_revoke
 from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
@@ -325,4 +325,4 @@ def _event_of(finish: frames.Finish) -> str:
     """The Celery event an applied finish is (Flower's view of it)."""
     if finish.outcome == "SUCCEEDED":
         return "task-succeeded"
-    return "task-revoked" if finish.error_code == REVOKED_CODE else "task-failed"
+    return "task-revoked" if is_revoke(finish.outcome, finish.error_code) else "task-failed"

@@ -17,7 +17,7 @@ from typing import Any
 
 from celery_pulse.deferral import DEFERRED_STATES, carried_by_completions, deferred_result
 from celery_pulse.gateway.dispatch import Fenced
-from celery_pulse.gateway.protocol import REVOKED_CODE, Finish
+from celery_pulse.gateway.protocol import Finish, is_revoke
 from celery_pulse.gateway.session import LEASED, Attempt
 from celery_pulse.store.base import Store
 
@@ -78,7 +78,7 @@ class Results:
             return None, None
         from celery import states
 
-        if finish.outcome == "FAILED" and finish.error_code == REVOKED_CODE:
+        if is_revoke(finish.outcome, finish.error_code):
             # Celery's revoke on the worker (terminated, or revoked before it ran): its
             # parent's REVOKED, whatever the pool's failure said after.
             from celery.exceptions import TaskRevokedError

@@ -159,9 +159,15 @@ CLIENT_TYPES: Final[Mapping[str, type[Body]]] = MappingProxyType({
 #: The error code of a ``FAILED`` finish that is Celery's revoke (``terminate``, or
 #: revoked before it ran): the claim ends ``revoked`` and the result ``REVOKED``.
 REVOKED_CODE: Final = "celery.revoked"
+
 SERVER_TYPES: Final = frozenset({"worker.welcome", "ack", "error", "task.assign",
                                   "task.cancel"})
 HELLO: Final = "worker.hello"
 MAX_LABEL: Final = 128
 MAX_QUEUE_ID: Final = 255
 MAX_ERROR_MESSAGE: Final = 1024
+
+
+def is_revoke(outcome: str, error_code: str | None) -> bool:
+    """Whether a finish is Celery's revoke (see :data:`REVOKED_CODE`)."""
+    return outcome == "FAILED" and error_code == REVOKED_CODE
