@@ -11,7 +11,8 @@ Three rooms, split the way websockets splits its sans-I/O protocol from its asyn
   a store contract, :mod:`celery_pulse.store.credentials`.
 * **The server** (``celery pulse gateway``): :mod:`.server` (the handshake and each
   connection), :mod:`.link` (a connection's bounded writer, its limits, TLS),
-  :mod:`.operations` (what an accepted operation does, and dispatch), :mod:`.dispatch`
+  :mod:`.operations` (what an accepted operation does, and dispatch), :mod:`.rounds`
+  (one holder's starts and finishes applied together), :mod:`.dispatch`
   (the feeder and the fenced store calls), :mod:`.outcomes` (a finish in the app's result
   backend), :mod:`.presence` (the worker registry) and :mod:`.events` (Celery events).
 * **The remote-worker side**: :mod:`.client` (one instance's connection, across

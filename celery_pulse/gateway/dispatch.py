@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_pulse.errors import PulseError, StoreUnavailable
@@ -266,6 +266,15 @@ class Feeder(threading.Thread):
                                never_ran=True)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One operation of a round (:mod:`.rounds`): a start, or (``build`` set) a finish,
+    whose completion is built in the round's thread (the app's backend is asked there)."""
+
+    attempt: Attempt
+    build: Callable[[], tuple[Completion, bool]] | None = None
+
+
 class Fenced:
     """The store's fenced operations for attempts of one holder (blocking: call them from
     a thread)."""
@@ -278,6 +287,36 @@ class Fenced:
         return self.store.start_many(
             self.holder, [(attempt.task_id, attempt.epoch, attempt.token)], self.lease_ttl
         ).get(attempt.task_id)
+
+    def round(self, steps: Sequence[Step]) -> list[Any]:
+        """Starts and finishes in one exchange. Per step, in order: a start's new
+        lease_until or None (as :meth:`start`); a finish's ``(answer, carried)`` (as
+        :meth:`finish`, and whether its completion carried the result); or the error
+        that is that step's answer."""
+        answers: list[Any] = [None] * len(steps)
+        completions: list[Completion] = []
+        finishing: list[tuple[int, bool]] = []
+        for i, step in enumerate(steps):
+            if step.build is not None:
+                try:
+                    completion, carried = step.build()
+                except Exception as exc:  # this finish's failure, not the round's
+                    answers[i] = exc
+                    continue
+                completions.append(completion)
+                finishing.append((i, carried))
+        starts = [(s.attempt.task_id, s.attempt.epoch, s.attempt.token) for s in steps
+                  if s.build is None]
+        if not completions and not starts:
+            return answers
+        done = self.store.exchange(self.holder, self.lease_ttl, completions, [], starts)
+        for i, carried in finishing:
+            answer = done.completed.get(steps[i].attempt.task_id, "evidence")
+            answers[i] = answer if isinstance(answer, BaseException) else (answer, carried)
+        for i, step in enumerate(steps):
+            if step.build is None:
+                answers[i] = done.started.get(step.attempt.task_id)
+        return answers
 
     def renew(self, attempt: Attempt) -> bool | None:
         """True: renewed; None: still held but busy (a fenced block has the row); False:
@@ -297,10 +336,19 @@ class Fenced:
                stale: bool = False) -> str:
         """``applied``, ``duplicate`` or ``evidence`` (a stale attempt: kept, not applied);
         ``result`` is written only if it applies, in its transaction; ``returned`` is kept
-        with the evidence if it doesn't. ``stale``: the finish is evidence whatever the
-        claim says (an attempt never started has no authority to finish)."""
-        token = LOST_TOKEN if stale else attempt.token
-        answers = self.store.complete(self.holder, [Completion(
-            attempt.task_id, attempt.epoch, token, claim_outcome(outcome, error), error,
-            None if stale else result, returned)])
+        with the evidence if it doesn't."""
+        completion = self.completion(attempt, outcome, error, result, returned=returned,
+                                     stale=stale)
+        answers = self.store.complete(self.holder, [completion])
         return answers.get(attempt.task_id, "evidence")
+
+    @staticmethod
+    def completion(attempt: Attempt, outcome: str, error: str | None,
+                   result: ResultRecord | None = None, *, returned: str | None = None,
+                   stale: bool = False) -> Completion:
+        """The store's completion of a finish. ``stale``: evidence whatever the claim
+        says (an attempt never started has no authority to finish)."""
+        return Completion(attempt.task_id, attempt.epoch,
+                          LOST_TOKEN if stale else attempt.token,
+                          claim_outcome(outcome, error), error, None if stale else result,
+                          returned)

@@ -14,6 +14,8 @@ answered ``UNAVAILABLE`` or ``INTERNAL``, never with the driver's words.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
 import socket
@@ -27,7 +29,7 @@ from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.clock import StoreClock
 from celery_pulse.gateway.cluster import Cluster
-from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced
+from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced, Step
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.link import Closing, Limits, Link
@@ -45,6 +47,7 @@ from celery_pulse.gateway.receipts import (
     welcome_body,
 )
 from celery_pulse.gateway.revoking import Revoking
+from celery_pulse.gateway.rounds import Rounds
 from celery_pulse.gateway.session import (
     FINISHED,
     LEASED,
@@ -61,6 +64,10 @@ from celery_pulse.store.gateway_state import GatewayState
 logger = logging.getLogger("celery_pulse.gateway.server")
 
 T = TypeVar("T")
+
+#: Threads for store calls: the gateway's store pool (store/sql/sizing.py's
+#: GATEWAY_POOL_SIZE), so a call never waits for a thread while a connection is free.
+STORE_THREADS = 16
 
 
 class Operations(Cluster, Revoking):
@@ -86,6 +93,11 @@ class Operations(Cluster, Revoking):
         #: Celery events on the instances' behalf (Flower), or None.
         self.events = events
         self._background: set[asyncio.Future[None]] = set()
+        #: The threads store calls run in (as many as the gateway's store pool holds
+        #: connections), and each holder's group commit of starts and finishes.
+        self.threads = concurrent.futures.ThreadPoolExecutor(
+            STORE_THREADS, thread_name_prefix="pulse-gateway-store")
+        self._rounds: dict[str, Rounds[Step, Any]] = {}
         #: Finishes in the app's result backend.
         self.results = Results(app, store)
         #: This gateway in its instances' registry labels, and who asks for their drains.
@@ -119,7 +131,8 @@ class Operations(Cluster, Revoking):
         if frame.type == "task.finish":
             finish: frames.Finish = frame.body
             attempt = await self._find(instance, finish.ref)
-            answer, written = await self._store(self.results.settle, fenced, attempt, finish)
+            answer, written = await self._guarded(self._round(instance, Step(
+                attempt, functools.partial(self.results.completion, attempt, finish))))
             attempt.state = FINISHED
             feeder = self._feeders.get(instance.instance_id)
             if feeder is not None:
@@ -153,7 +166,7 @@ class Operations(Cluster, Revoking):
         if frame.type == "task.start":
             lease_until = None
             if attempt.state == LEASED:
-                lease_until = await self._store(fenced.start, attempt)
+                lease_until = await self._guarded(self._round(instance, Step(attempt)))
             if lease_until is None:
                 # Started already (the start's answer was lost, maybe with the gateway
                 # that applied it): the same answer, its lease renewed from now. Never
@@ -271,6 +284,7 @@ class Operations(Cluster, Revoking):
                         instance.instance_id)
             return
         body = assign_body(attempt, assignment.message, self.limits.lease_ttl)
+
         try:
             link.send(Frame("task.assign", frames.new_id(), body, instance.current.session_id))
         except Closing:
@@ -295,11 +309,25 @@ class Operations(Cluster, Revoking):
             return self.clock.earliest() if earliest else self.clock.estimate()
         return await self._store(self.now)
 
+    def _round(self, instance: Instance, step: Step) -> asyncio.Future[Any]:
+        """``step`` applied in its holder's next round (:mod:`.rounds`)."""
+        holder = self._holders[instance.instance_id]
+        rounds = self._rounds.get(holder)
+        if rounds is None:
+            rounds = self._rounds[holder] = Rounds(self._fenced(instance).round,
+                                                   _task_of, self.threads)
+        return rounds.submit(step)
+
     async def _store(self, call: Callable[..., T], *args: Any) -> T:
         """A blocking store call off the loop, under the store deadline."""
+        return await self._guarded(asyncio.get_running_loop().run_in_executor(
+            self.threads, functools.partial(call, *args)), getattr(call, "__name__", call))
+
+    async def _guarded(self, work: Awaitable[T], what: object = "exchange") -> T:
+        """A store call's answer, under the store deadline; its failure as the
+        protocol's (``UNAVAILABLE`` or ``INTERNAL``, never the driver's words)."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(call, *args),
-                                          self.limits.store_timeout)
+            return await asyncio.wait_for(work, self.limits.store_timeout)
         except TimeoutError:
             raise ProtocolError(Code.UNAVAILABLE, "the store did not answer in time") from None
         except StoreUnavailable:
@@ -307,8 +335,7 @@ class Operations(Cluster, Revoking):
         except (Unauthenticated, Forbidden):
             raise
         except PulseError as exc:
-            logger.warning("pulse gateway: store call %s failed: %s",
-                           getattr(call, "__name__", call), exc)
+            logger.warning("pulse gateway: store call %s failed: %s", what, exc)
             raise ProtocolError(Code.INTERNAL, "the gateway could not do this") from None
 
     def _drain_requester(self, instance: Instance) -> str:
@@ -319,6 +346,10 @@ class Operations(Cluster, Revoking):
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _task_of(step: Step) -> str:
+    return step.attempt.task_id
 
 
 def _event_of(finish: frames.Finish) -> str:

@@ -20,6 +20,7 @@ from celery_pulse.gateway.dispatch import Fenced
 from celery_pulse.gateway.protocol import Finish, is_revoke
 from celery_pulse.gateway.session import LEASED, Attempt
 from celery_pulse.store.base import Store
+from celery_pulse.store.records import Completion
 
 
 class RemoteTaskError(Exception):
@@ -39,9 +40,10 @@ class Results:
         #: Whether finishes carry their results (:meth:`carried`; None: not asked yet).
         self._carries: bool | None = None
 
-    def settle(self, fenced: Fenced, attempt: Attempt, finish: Finish) -> tuple[str, bool]:
-        """The finish in the store (blocking: a thread's), and whether it wrote the result
-        too (see the module's rules)."""
+    def completion(self, attempt: Attempt, finish: Finish) -> tuple[Completion, bool]:
+        """The finish as the store's completion (blocking: a thread's, where the app's
+        backend is asked), and whether it carries the result too (see the module's
+        rules)."""
         # A finish without a start (seed 003 §4): the instance proved who it is, but the
         # attempt never had authority to run, so its outcome is evidence, never applied.
         stale = attempt.state == LEASED
@@ -53,9 +55,8 @@ class Results:
             with deferred_result(attempt.task_id) as deferral:
                 call()  # kept in deferral.record, not written
             record = deferral.record
-        answer = fenced.finish(attempt, finish.outcome, finish.error_code, record,
-                               returned=returned(finish), stale=stale)
-        return answer, record is not None
+        return Fenced.completion(attempt, finish.outcome, finish.error_code, record,
+                                 returned=returned(finish), stale=stale), record is not None
 
     def carried(self, backend: Any) -> bool:
         """Whether this store's completions can carry ``backend``'s results: asked once
@@ -66,8 +67,15 @@ class Results:
         return self._carries
 
     def backend(self) -> Any:
-        """The app's result backend (Celery's is per thread: ask in the thread using it)."""
-        return getattr(self.app, "backend", None) if self.app is not None else None
+        """The app's result backend (Celery's is per thread: ask in the thread using it),
+        or None where it has none (Celery's ``DisabledBackend``: nothing to write, so no
+        thread is taken for it on every finish)."""
+        backend = getattr(self.app, "backend", None) if self.app is not None else None
+        if backend is None:
+            return None
+        from celery.backends.base import DisabledBackend
+
+        return None if isinstance(backend, DisabledBackend) else backend
 
     @staticmethod
     def call(backend: Any, attempt: Attempt, finish: Finish

@@ -78,8 +78,10 @@ class SqlGatewayState(GatewayState):
             return
         rows = [{c.name: getattr(r, c.name) for c in _ATTEMPT} for r in records]
         with self.conns.writing("record gateway attempts") as conn:
-            conn.execute(sa.insert(gateway_attempts).values(
-                [dict(row, created_at=self.conns.now) for row in rows]))
+            # One statement of a cached shape, the rows its parameters (SQLAlchemy sends
+            # them as one multi-row insert): a VALUES list built per call was compiled
+            # anew on every batch, a tenth of the gateway's CPU on short tasks.
+            conn.execute(sa.insert(gateway_attempts).values(created_at=self.conns.now), rows)
 
     def find_attempt(self, attempt_id: str) -> AttemptRecord | None:
         with self.conns.reading("find gateway attempt") as conn:
