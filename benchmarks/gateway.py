@@ -4,8 +4,10 @@ Throughput: the same tasks, published before the worker starts, run by one ``-P 
 worker with ``-c 2`` connected to the store and the broker (``direct``), by one that
 holds only a gateway credential (``gateway``: every delivery reserved by a
 ``celery pulse gateway`` process on the same machine, over TLS, and its starts, renewals
-and finishes sent to it, each exchange's all at once), and by two such workers on the
-one gateway (``two remote workers``: two / one is the gateway's scaling). Runs
+and finishes sent to it, each exchange's all at once), by two such workers on the
+one gateway (``two remote workers``: two / one is the gateway's scaling), and by two
+such workers each on a gateway of its own, both on the one store (``two gateways``:
+gateway processes share nothing but the store, so a fleet adds them). Runs
 alternate; the ratio is the median of per-repeat ratios. Results are ignored on every
 side (the throughput of results is section 1's).
 
@@ -90,10 +92,11 @@ def _credentials(store: str, queues: list[str], scratch: infra.Scratch) -> tuple
     return token, path
 
 
-def _throughput(scratch: infra.Scratch, store: str, url: str, ca: Path, variant: str,
-                task: str, args: list[Any], n: int) -> float:
-    """Tasks a second of ``variant``: ``direct``, ``gateway`` (one remote worker) or
-    ``gateway2`` (two remote workers on the one gateway, each ``-c 2``)."""
+def _throughput(scratch: infra.Scratch, store: str, urls: tuple[str, str], ca: Path,
+                variant: str, task: str, args: list[Any], n: int) -> float:
+    """Tasks a second of ``variant``: ``direct``, ``gateway`` (one remote worker),
+    ``gateway2`` (two remote workers on the first gateway, each ``-c 2``) or
+    ``gateways2`` (two remote workers, one on each gateway)."""
     broker = infra.BROKERS["rabbitmq"]
     queue = f"bench-gw-{uuid.uuid4().hex[:10]}"
     stop_file = scratch.path("stop")
@@ -101,17 +104,18 @@ def _throughput(scratch: infra.Scratch, store: str, url: str, ca: Path, variant:
     remote = variant.startswith("gateway")
     if remote:
         _, credentials = _credentials(store, [queue], scratch)
-        conf.update(pulse_gateway_url=url, pulse_gateway_credentials=str(credentials),
-                    pulse_gateway_ca=str(ca))
+        conf.update(pulse_gateway_credentials=str(credentials), pulse_gateway_ca=str(ca))
     infra.declare_queue(broker, queue)
     try:
         infra.publish(broker, queue, [(task, args)] * n + [("bench.stop", [str(stop_file)])])
         with infra.workers() as started:
-            for i in range(2 if variant == "gateway2" else 1):
+            for i in range(1 if variant in ("direct", "gateway") else 2):
+                url = urls[i if variant == "gateways2" else 0]
                 started.append(infra.Worker(scratch, f"gw-{variant}-{i}", pool="pulse",
                                             concurrency=CONCURRENCY, broker=broker,
                                             queue=queue, store=None if remote else store,
-                                            conf=conf))
+                                            conf={**conf, "pulse_gateway_url": url}
+                                            if remote else conf))
             ready = max(worker.wait_ready(timeout=60) for worker in started)
 
             def stopped() -> bool:
@@ -227,13 +231,14 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     seconds = 5.0 if quick else 15.0
     runs: list[dict[str, Any]] = []
     with infra.fresh_pg_schema(database_url) as store, _tls(scratch) as tls, \
-            _gateway(scratch, store, tls) as url:
+            _gateway(scratch, store, tls) as url, _gateway(scratch, store, tls) as url2:
         for key, label, task, args, n in workloads:
             for rep in range(repeats):
-                for variant in (("direct", "gateway", "gateway2") if rep % 2 == 0
-                                else ("gateway2", "gateway", "direct")):
+                for variant in (("direct", "gateway", "gateway2", "gateways2") if rep % 2 == 0
+                                else ("gateways2", "gateway2", "gateway", "direct")):
                     infra.log(f"gateway {key} {variant} (#{rep + 1}/{repeats})")
-                    rate = _throughput(scratch, store, url, tls[2], variant, task, args, n)
+                    rate = _throughput(scratch, store, (url, url2), tls[2], variant, task,
+                                       args, n)
                     infra.log(f"  {rate:.0f} tasks/s")
                     runs.append({"workload": key, "label": label, "variant": variant,
                                  "repeat": rep, "rate": rate})
@@ -261,6 +266,11 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                                                  if r["variant"] == "gateway2"),
                         "two_ratio": statistics.median(
                             _by_repeat(mine, "gateway2")[rep] / one
+                            for rep, one in _by_repeat(mine, "gateway").items()),
+                        "two_gateways": statistics.median(
+                            r["rate"] for r in mine if r["variant"] == "gateways2"),
+                        "two_gateways_ratio": statistics.median(
+                            _by_repeat(mine, "gateways2")[rep] / one
                             for rep, one in _by_repeat(mine, "gateway").items())})
     return {"runs": runs, "summary": summary, "concurrency": CONCURRENCY,
             "renew": {"clients": CLIENTS, "every_s": RENEW_EVERY, "seconds": seconds,

@@ -1395,13 +1395,17 @@ def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:
 
     lines += [(section.__doc__ or "").split("\n\n", 1)[1].strip(), "",
               "| Workload | direct (tasks/s) | through the gateway (tasks/s) | gateway / direct "
-              "| two remote workers (tasks/s) | two / one |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| two remote workers (tasks/s) | two / one | two workers, two gateways "
+              "(tasks/s) | two gateways / one |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in gw["summary"]:
+        # (reports from before issue 37 have no second worker, nor a second gateway)
         two = (f"{num(row['two'])} | {ratio(row['two_ratio'])}" if "two" in row
-               else "— | —")  # reports from before issue 37 have no second worker
+               else "— | —")
+        gateways = (f"{num(row['two_gateways'])} | {ratio(row['two_gateways_ratio'])}"
+                    if "two_gateways" in row else "— | —")
         lines.append(f"| {row['label']} | {num(row['direct'])} | {num(row['gateway'])} | "
-                     f"{ratio(row['ratio'])} | {two} |")
+                     f"{ratio(row['ratio'])} | {two} | {gateways} |")
     renew = gw["renew"]
     lines += ["", f"Renewal round trip, {renew['clients']} workers renewing once every "
               f"{renew['every_s']:g} s for {renew['seconds']:g} s:", "",
