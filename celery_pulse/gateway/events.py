@@ -61,6 +61,8 @@ class GatewayEvents:
                 # dispatcher's, set under the lock for each send (a buffered event keeps
                 # the hostname it was made with).
                 self._dispatcher.hostname = hostname
+                if not kind.startswith("task-"):
+                    self._dispatcher.flush()  # the task events before it go first
                 self._dispatcher.send(kind, **fields)
                 if last:
                     self._dispatcher.flush()
