@@ -58,8 +58,8 @@ def _tls(scratch: infra.Scratch) -> Iterator[tuple[Path, Path, Path]]:
 
 @contextlib.contextmanager
 def _gateway(scratch: infra.Scratch, store: str, tls: tuple[Path, Path, Path]
-             ) -> Iterator[str]:
-    """A ``celery pulse gateway`` process on the benchmark app; its wss:// URL."""
+             ) -> Iterator[tuple[str, int]]:
+    """A ``celery pulse gateway`` process on the benchmark app: its wss:// URL and pid."""
     environ = infra.app_env(infra.BROKERS["rabbitmq"], "unused", store)
     log_path = scratch.path("gateway").with_suffix(".log")
     proc = infra.spawn([sys.executable, "-m", "celery", "-A", "benchmarks.apps", "pulse",
@@ -72,7 +72,7 @@ def _gateway(scratch: infra.Scratch, store: str, tls: tuple[Path, Path, Path]
             found = re.search(r"on wss://127\.0\.0\.1:(\d+)/", log_path.read_text())
             return found.group(1) if found else None
         port = infra.wait_for(serving, 60, "the gateway to listen", 0.05)
-        yield f"wss://localhost:{port}/v1/worker/connect"
+        yield f"wss://localhost:{port}/v1/worker/connect", proc.pid
     finally:
         infra.reap(proc)
 
@@ -92,11 +92,18 @@ def _credentials(store: str, queues: list[str], scratch: infra.Scratch) -> tuple
     return token, path
 
 
-def _throughput(scratch: infra.Scratch, store: str, urls: tuple[str, str], ca: Path,
-                variant: str, task: str, args: list[Any], n: int) -> float:
+def _cpu(pids: list[int]) -> float:
+    return sum(infra.cpu_seconds(pids).values())
+
+
+def _throughput(scratch: infra.Scratch, store: str, gateways: list[tuple[str, int]],
+                ca: Path, variant: str, task: str, args: list[Any], n: int
+                ) -> dict[str, float]:
     """Tasks a second of ``variant``: ``direct``, ``gateway`` (one remote worker),
     ``gateway2`` (two remote workers on the first gateway, each ``-c 2``) or
-    ``gateways2`` (two remote workers, one on each gateway)."""
+    ``gateways2`` (two remote workers, one on each gateway); and the CPU milliseconds
+    per task of the workers (every process of theirs) and of the gateways used, between
+    the workers' ready and the last task."""
     broker = infra.BROKERS["rabbitmq"]
     queue = f"bench-gw-{uuid.uuid4().hex[:10]}"
     stop_file = scratch.path("stop")
@@ -109,14 +116,18 @@ def _throughput(scratch: infra.Scratch, store: str, urls: tuple[str, str], ca: P
     try:
         infra.publish(broker, queue, [(task, args)] * n + [("bench.stop", [str(stop_file)])])
         with infra.workers() as started:
+            used = gateways if variant == "gateways2" else gateways[:1]
             for i in range(1 if variant in ("direct", "gateway") else 2):
-                url = urls[i if variant == "gateways2" else 0]
+                url = used[i % len(used)][0]
                 started.append(infra.Worker(scratch, f"gw-{variant}-{i}", pool="pulse",
                                             concurrency=CONCURRENCY, broker=broker,
                                             queue=queue, store=None if remote else store,
                                             conf={**conf, "pulse_gateway_url": url}
                                             if remote else conf))
             ready = max(worker.wait_ready(timeout=60) for worker in started)
+            gateway_pids = [pid for _, pid in used] if remote else []
+            worker_pids = [pid for worker in started for pid in worker.pids()]
+            cpu = (_cpu(worker_pids), _cpu(gateway_pids))
 
             def stopped() -> bool:
                 for worker in started:
@@ -124,9 +135,11 @@ def _throughput(scratch: infra.Scratch, store: str, urls: tuple[str, str], ca: P
                 return stop_file.exists() and stop_file.stat().st_size > 0
             infra.wait_for(stopped, max(120.0, n / 5), f"{n} x {task} on {variant}", 0.02)
             stop = float(stop_file.read_text().split()[-1])
+            spent = (_cpu(worker_pids) - cpu[0], _cpu(gateway_pids) - cpu[1])
     finally:
         infra.delete_queue(broker, queue)
-    return n / (stop - ready)
+    return {"rate": n / (stop - ready), "worker_cpu_ms": 1000 * spent[0] / n,
+            "gateway_cpu_ms": 1000 * spent[1] / n}
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -231,17 +244,20 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     seconds = 5.0 if quick else 15.0
     runs: list[dict[str, Any]] = []
     with infra.fresh_pg_schema(database_url) as store, _tls(scratch) as tls, \
-            _gateway(scratch, store, tls) as url, _gateway(scratch, store, tls) as url2:
+            _gateway(scratch, store, tls) as first, _gateway(scratch, store, tls) as second:
+        url = first[0]
         for key, label, task, args, n in workloads:
             for rep in range(repeats):
                 for variant in (("direct", "gateway", "gateway2", "gateways2") if rep % 2 == 0
                                 else ("gateways2", "gateway2", "gateway", "direct")):
                     infra.log(f"gateway {key} {variant} (#{rep + 1}/{repeats})")
-                    rate = _throughput(scratch, store, (url, url2), tls[2], variant, task,
-                                       args, n)
-                    infra.log(f"  {rate:.0f} tasks/s")
+                    measured = _throughput(scratch, store, [first, second], tls[2], variant,
+                                           task, args, n)
+                    infra.log(f"  {measured['rate']:.0f} tasks/s; CPU per task: workers "
+                              f"{measured['worker_cpu_ms']:.2f} ms, gateways "
+                              f"{measured['gateway_cpu_ms']:.2f} ms")
                     runs.append({"workload": key, "label": label, "variant": variant,
-                                 "repeat": rep, "rate": rate})
+                                 "repeat": rep, **measured})
         infra.log("gateway renew latency: 50 connected clients")
         through = _renew_via_gateway(scratch, store, url, tls[2], seconds)
         direct = _renew_direct(store, seconds)
@@ -271,7 +287,11 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                             r["rate"] for r in mine if r["variant"] == "gateways2"),
                         "two_gateways_ratio": statistics.median(
                             _by_repeat(mine, "gateways2")[rep] / one
-                            for rep, one in _by_repeat(mine, "gateway").items())})
+                            for rep, one in _by_repeat(mine, "gateway").items()),
+                        "cpu_ms": {variant: {side: statistics.median(
+                            r[f"{side}_cpu_ms"] for r in mine if r["variant"] == variant)
+                            for side in ("worker", "gateway")}
+                            for variant in ("direct", "gateway", "gateway2", "gateways2")}})
     return {"runs": runs, "summary": summary, "concurrency": CONCURRENCY,
             "renew": {"clients": CLIENTS, "every_s": RENEW_EVERY, "seconds": seconds,
                       "gateway": through, "direct": direct},

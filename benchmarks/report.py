@@ -1406,6 +1406,18 @@ def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:
                     if "two_gateways" in row else "— | —")
         lines.append(f"| {row['label']} | {num(row['direct'])} | {num(row['gateway'])} | "
                      f"{ratio(row['ratio'])} | {two} | {gateways} |")
+    if all("cpu_ms" in row for row in gw["summary"]):  # measured since issue 37
+        lines += ["", "CPU per task (milliseconds, every thread of the processes, between "
+                  "the workers' ready and the last task; medians):", "",
+                  "| Workload | direct worker | remote worker | its gateway | two remote "
+                  "workers' gateway | two gateways, together |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for row in gw["summary"]:
+            cpu = row["cpu_ms"]
+            lines.append(f"| {row['label']} | {cpu['direct']['worker']:.2f} | "
+                         f"{cpu['gateway']['worker']:.2f} | {cpu['gateway']['gateway']:.2f} | "
+                         f"{cpu['gateway2']['gateway']:.2f} | "
+                         f"{cpu['gateways2']['gateway']:.2f} |")
     renew = gw["renew"]
     lines += ["", f"Renewal round trip, {renew['clients']} workers renewing once every "
               f"{renew['every_s']:g} s for {renew['seconds']:g} s:", "",

@@ -290,17 +290,12 @@ class Fenced:
     def __init__(self, store: Store, holder: str, lease_ttl: float) -> None:
         self.store, self.holder, self.lease_ttl = store, holder, lease_ttl
 
-    def start(self, attempt: Attempt) -> float | None:
-        """The new lease_until, or None: the attempt may not start (lost, taken, ended)."""
-        return self.store.start_many(
-            self.holder, [(attempt.task_id, attempt.epoch, attempt.token)], self.lease_ttl
-        ).get(attempt.task_id)
-
     def round(self, steps: Sequence[Step]) -> list[Any]:
         """Starts and finishes in one exchange. Per step, in order: a start's new
-        lease_until or None (as :meth:`start`); a finish's ``(answer, carried)`` (as
-        :meth:`finish`, and whether its completion carried the result); or the error
-        that is that step's answer."""
+        lease_until, or None (the attempt may not start: lost, taken, ended); a finish's
+        ``(answer, carried)``: ``applied``, ``duplicate`` or ``evidence`` (a stale attempt's
+        outcome, kept, not applied), and whether its completion carried the result; or
+        the error that is that step's answer."""
         answers: list[Any] = [None] * len(steps)
         completions: list[Completion] = []
         finishing: list[tuple[int, bool]] = []
@@ -338,17 +333,6 @@ class Fenced:
     def status(self, attempt: Attempt) -> tuple[str, float] | None:
         """``(state, lease_until)`` while the attempt holds its lease (nothing extended)."""
         return self.store.lease_of(self.holder, attempt.task_id, attempt.epoch, attempt.token)
-
-    def finish(self, attempt: Attempt, outcome: str, error: str | None,
-               result: ResultRecord | None = None, *, returned: str | None = None,
-               stale: bool = False) -> str:
-        """``applied``, ``duplicate`` or ``evidence`` (a stale attempt: kept, not applied);
-        ``result`` is written only if it applies, in its transaction; ``returned`` is kept
-        with the evidence if it doesn't."""
-        completion = self.completion(attempt, outcome, error, result, returned=returned,
-                                     stale=stale)
-        answers = self.store.complete(self.holder, [completion])
-        return answers.get(attempt.task_id, "evidence")
 
     @staticmethod
     def completion(attempt: Attempt, outcome: str, error: str | None,

@@ -284,7 +284,6 @@ class Operations(Cluster, Revoking):
                         instance.instance_id)
             return
         body = assign_body(attempt, assignment.message, self.limits.lease_ttl)
-
         try:
             link.send(Frame("task.assign", frames.new_id(), body, instance.current.session_id))
         except Closing:
