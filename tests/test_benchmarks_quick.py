@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import services
+from tests.helpers.pgbouncer import pgbouncer_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_benchmark_quick_mode_runs_and_writes_its_report(tmp_path: Path) -> None:
     for name in ("postgres", "mariadb", "rabbitmq", "redis"):
         services.require(name)
+    pgbouncer_binary()  # the wake-up section runs one (skipped locally without it)
     out = tmp_path / "report"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "run", "--quick", "--output", str(out)],
