@@ -1,9 +1,9 @@
 """The gateway's group commit: one holder's starts and finishes applied in rounds.
 
 A remote worker's starts and finishes arrive as frames, each an operation of its own.
-Applied one statement and one commit each, in a thread each, a gateway ran about 110
-no-op tasks a second for one worker and no more for two (docs/benchmarks.md §10): each
-operation waited for a thread, a pooled connection and a commit. Here the operations of
+Applied one statement and one commit each, in a thread each, each operation waited for
+a thread, a pooled connection and a commit, and cost the gateway a transaction of its
+own (docs/benchmarks.md §10 measures the gateway's CPU per task before and after). Here the operations of
 one holder go to the store together, in one call (the store's ``exchange``: one round
 trip where it pipelines, as a direct worker's commit thread sends its own):
 
@@ -44,8 +44,6 @@ class Rounds(Generic[I, O]):
         self.apply, self.key, self.executor, self.limit = apply, key, executor, limit
         self._pending: list[tuple[I, asyncio.Future[O]]] = []
         self._runner: asyncio.Future[None] | None = None
-        #: Rounds sent and operations applied (the gateway's stats).
-        self.rounds = self.operations = 0
 
     def submit(self, item: I) -> asyncio.Future[O]:
         """The operation's answer, once its round is back. Awaiting it may be abandoned
@@ -68,8 +66,6 @@ class Rounds(Generic[I, O]):
                         self.executor, self.apply, items)
                 except Exception as exc:  # the round's failure is each operation's
                     answers = [exc] * len(batch)
-                self.rounds += 1
-                self.operations += len(batch)
                 for (_, future), answer in zip(batch, answers, strict=True):
                     if future.done():
                         continue
