@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -97,3 +98,31 @@ def test_check_schema_passes_after_migrate(store_url: str) -> None:
         assert reopened.list_workers() == []
     finally:
         reopened.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("url_fixture", ["pg_url", "pgb_transaction_url"])
+def test_a_migration_stalled_past_the_engines_idle_cap_still_completes(
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, url_fixture: str
+) -> None:
+    """The engine caps a transaction's idle time at a couple of seconds (a paused worker
+    must not keep its locks); a migration runs Alembic's Python between its statements,
+    which a loaded machine stretched past that cap (CI: "terminating connection due to
+    idle-in-transaction timeout"). The stall is injected here: the migration's own cap
+    lets it finish, directly and through a transaction-mode PgBouncer."""
+    from celery_pulse.store.sql import migrate as migrate_module
+    from celery_pulse.store.sql.engine import IDLE_IN_TRANSACTION_S
+
+    url = request.getfixturevalue(url_fixture)
+    upgrade = migrate_module.command.upgrade
+
+    def stalled(*args: Any, **kwargs: Any) -> None:
+        time.sleep(IDLE_IN_TRANSACTION_S + 1.5)  # the fault: idle inside the transaction
+        upgrade(*args, **kwargs)
+
+    monkeypatch.setattr(migrate_module.command, "upgrade", stalled)
+    store = open_store(url, check_schema=False)
+    try:
+        assert store.migrate() == (None, head_revision())
+    finally:
+        store.close()

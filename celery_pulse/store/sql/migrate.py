@@ -24,6 +24,13 @@ COMPAT_TABLE = "pulse_schema_compat"
 _SCRIPTS = os.path.join(os.path.dirname(__file__), "migrations")
 #: MariaDB's GET_LOCK waits at most this long for another ``pulse migrate``.
 _LOCK_WAIT = 600
+#: PostgreSQL: the migration's own cap on idle time inside its transaction. The engine
+#: caps every transaction at a couple of seconds (a paused worker must not keep its row
+#: locks); a migration runs Alembic's Python between its statements (each revision file
+#: is read and run), which a loaded machine can stretch past that cap, and the server
+#: then ended the migration midway ("idle-in-transaction timeout"). Still capped: a
+#: paused migration must not hold the schema's lock forever.
+_MIGRATION_IDLE_MS = 300_000
 
 _compat = sa.Table(COMPAT_TABLE, sa.MetaData(),
                    sa.Column("revision", sa.String(32), primary_key=True),
@@ -107,6 +114,8 @@ def _serialised(conn: sa.Connection) -> Iterator[None]:
     """
     name = conn.dialect.name
     if name == "postgresql":
+        conn.execute(sa.text("SELECT set_config('idle_in_transaction_session_timeout', "
+                             ":ms, true)"), {"ms": str(_MIGRATION_IDLE_MS)})
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext("
                              "'celery_pulse.migrate:' || coalesce(current_schema(), '')))"))
         yield
