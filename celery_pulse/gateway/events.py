@@ -24,6 +24,8 @@ import logging
 import threading
 from typing import Any
 
+from celery.events.event import group_from
+
 logger = logging.getLogger(__name__)
 
 #: What the worker events say sent them (``sw_ident``).
@@ -61,8 +63,8 @@ class GatewayEvents:
                 # dispatcher's, set under the lock for each send (a buffered event keeps
                 # the hostname it was made with).
                 self._dispatcher.hostname = hostname
-                if not kind.startswith("task-"):
-                    self._dispatcher.flush()  # the task events before it go first
+                if group_from(kind) not in self._dispatcher.buffer_group:
+                    self._dispatcher.flush()  # the buffered events before it go first
                 self._dispatcher.send(kind, **fields)
                 if last:
                     self._dispatcher.flush()
