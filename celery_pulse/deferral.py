@@ -33,6 +33,9 @@ class Deferral(threading.local):
     record: ResultRecord | None = None
     #: The chord part's request (``id``, ``group``, ``chord``) when the task is one.
     chord: dict[str, Any] | None = None
+    #: Messages the attempt published that its completion carries, for the one that
+    #: applies it to publish first (a gateway worker's: it has no broker of its own).
+    published: list[dict[str, Any]] | None = None
 
 
 #: The one deferral (thread-local): written by the backend, read by the completion.
@@ -47,10 +50,22 @@ def deferred_result(task_id: str) -> Iterator[Deferral]:
     if the attempt still holds its lease). No SQL in the child.
     """
     deferral.task_id, deferral.record, deferral.chord = task_id, None, None
+    deferral.published = None
     try:
         yield deferral
     finally:
         deferral.task_id = None
+
+
+def keep_published(message: dict[str, Any]) -> bool:
+    """Keep a message the attempt published for its completion to carry; False if no
+    attempt is open in this thread (the publisher must refuse it instead)."""
+    if deferral.task_id is None:
+        return False
+    if deferral.published is None:
+        deferral.published = []
+    deferral.published.append(message)
+    return True
 
 
 #: Query parameters of a PostgreSQL URL that say which server to reach, not which data.

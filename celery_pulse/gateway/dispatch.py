@@ -17,6 +17,8 @@ The rules, before any code:
   then they go back to the broker and the feeder stops consuming until there is room,
   so an instance never sits for long on a task another one could run. Unacknowledged,
   they are the broker's: a feeder that stops (its instance gone) hands them back.
+* **Not before its time.** A delivery with an ETA, and a new publication of a task
+  whose previous attempt is still live, wait unacknowledged until due (:mod:`.waiting`).
 * **Fenced by the store.** ``task.start``, ``task.renew`` and ``task.finish`` are the
   store's ``start_many``, ``renew`` and ``complete`` for the attempt's (task id, epoch,
   token): a stale attempt can't start, renew or finish; its late finish is kept as
@@ -41,16 +43,19 @@ from typing import Any
 from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway.expiry import REVOKED_REASON, NeverRun, expired
 from celery_pulse.gateway.frames import new_id
-from celery_pulse.gateway.protocol import is_revoke
+from celery_pulse.gateway.protocol import is_retry, is_revoke
 from celery_pulse.gateway.session import Attempt
+from celery_pulse.gateway.waiting import TAKEN_AGAIN, Waiting, eta_in, newer
 from celery_pulse.messages import capture, policy_for, publication_of
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
+    RETRY,
     REVOKED,
     SUCCEEDED,
     Completion,
     Grant,
+    Refusal,
     ReserveRequest,
     ResultRecord,
     Store,
@@ -68,8 +73,11 @@ OUTCOMES = {"SUCCEEDED": SUCCEEDED, "FAILED": FAILED, "UNKNOWN": NEEDS_REVIEW}
 
 
 def claim_outcome(outcome: str, error_code: str | None) -> str:
-    """A finish's outcome as the claim's: Celery's revoke is ``revoked``, not failed."""
-    return REVOKED if is_revoke(outcome, error_code) else OUTCOMES[outcome]
+    """A finish's outcome as the claim's: Celery's revoke is ``revoked``, its retry
+    ``retry`` (open for the next attempt the finish published), not failed."""
+    if is_revoke(outcome, error_code):
+        return REVOKED
+    return RETRY if is_retry(outcome, error_code) else OUTCOMES[outcome]
 
 
 def consume_until_stopped(stop: threading.Event, consume: Callable[[], None], what: str
@@ -125,6 +133,8 @@ class Feeder(threading.Thread):
         #: one drain, reserved in one statement.
         self.prefetch = prefetch
         self._batch: list[tuple[Any, ReserveRequest]] = []
+        #: Held back until due: an ETA, or a new publication of a live task (.waiting).
+        self._waiting = Waiting()
         self._stop = threading.Event()
         self._room = threading.Event()
         self._never_run = NeverRun(app, store, holder)
@@ -147,8 +157,12 @@ class Feeder(threading.Thread):
         with self.app.connection_for_read() as conn, conn.Consumer(
                 [queue], on_message=self._on_message, accept=self.app.conf.accept_content,
                 prefetch_count=max(1, self.prefetch), auto_declare=True) as consumer:
-            consuming, full_since = True, None
+            consuming, full_since, held = True, None, 0
             while not self._stop.is_set():
+                self._batch.extend(self._waiting.due(time.monotonic()))
+                if len(self._waiting) != held:  # held ones don't take the prefetch's room
+                    held = len(self._waiting)
+                    consumer.qos(prefetch_count=max(1, self.prefetch) + held)
                 if self._batch:
                     room = self.free()
                     if room > 0:
@@ -180,7 +194,7 @@ class Feeder(threading.Thread):
                     consumer.consume()
                     consuming = True
                 try:
-                    conn.drain_events(timeout=0.5)
+                    conn.drain_events(timeout=self._waiting.wait(time.monotonic(), 0.5))
                 except TimeoutError:
                     continue
                 self._drain_ready(conn)
@@ -207,7 +221,11 @@ class Feeder(threading.Thread):
             task_id, name, capture(message), policy_for(task, self.on_lost),
             int(getattr(task, "pulse_max_attempts", None) or self.max_attempts),
             int(headers.get("retries") or 0), publication_of(headers))
-        self._batch.append((message, request))
+        delay = eta_in(headers, self.app.timezone)
+        if delay > 0:
+            self._waiting.hold(time.monotonic() + delay, message, request)
+        else:
+            self._batch.append((message, request))
 
     def _flush(self, room: int) -> None:
         """Reserve as much of the batch as there is ``room`` for in one statement,
@@ -232,6 +250,9 @@ class Feeder(threading.Thread):
         past: list[Attempt] = []  # expired: ended here, never assigned (.expiry)
         revoked: list[Attempt] = []  # likewise
         for (message, request), answer in zip(batch, answers, strict=True):
+            if isinstance(answer, Refusal) and newer(request, answer):
+                self._waiting.hold(time.monotonic() + TAKEN_AGAIN, message, request)
+                continue
             message.ack()
             if isinstance(answer, PulseError):  # taken effect, its answer unread
                 logger.warning("pulse gateway: reservation of %s[%s] not confirmed (%s): if "

@@ -33,9 +33,10 @@ from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced, Step
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.link import Closing, Limits, Link
+from celery_pulse.gateway.outbox import publish, published
 from celery_pulse.gateway.outcomes import Results
 from celery_pulse.gateway.presence import Presence
-from celery_pulse.gateway.protocol import is_revoke
+from celery_pulse.gateway.protocol import is_retry, is_revoke
 from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
@@ -131,6 +132,9 @@ class Operations(Cluster, Revoking):
         if frame.type == "task.finish":
             finish: frames.Finish = frame.body
             attempt = await self._find(instance, finish.ref)
+            messages = published(finish, instance.identity.queue_id)
+            if messages and attempt.state != LEASED and self.app is not None:
+                await self._publish(instance, attempt, messages)
             answer, written = await self._guarded(self._round(instance, Step(
                 attempt, functools.partial(self.results.completion, attempt, finish))))
             attempt.state = FINISHED
@@ -222,6 +226,19 @@ class Operations(Cluster, Revoking):
         state, lease_until = held
         wire = "RUNNING" if state == "running" else LEASED
         return lease_body(wire == "RUNNING", wire, lease_until, now)
+
+    async def _publish(self, instance: Instance, attempt: Attempt,
+                       messages: list[dict[str, Any]]) -> None:
+        """What the attempt published, before its finish applies (:mod:`.outbox`)."""
+        try:
+            await self._store(publish, self.app, instance.identity.queue_id, messages)
+        except Exception as exc:
+            logger.warning("pulse gateway: %d message(s) published by %s[%s] not sent (%r); "
+                           "its finish waits", len(messages), attempt.task_name,
+                           attempt.task_id, exc)
+            raise ProtocolError(Code.UNAVAILABLE, "the broker did not take the task's "
+                                                  "publications: send the finish again"
+                                ) from None
 
     async def _write_result(self, attempt: Attempt, finish: frames.Finish) -> None:
         """The outcome in the app's result backend, once the store applied it (a stale
@@ -355,4 +372,6 @@ def _event_of(finish: frames.Finish) -> str:
     """The Celery event an applied finish is (Flower's view of it)."""
     if finish.outcome == "SUCCEEDED":
         return "task-succeeded"
+    if is_retry(finish.outcome, finish.error_code):
+        return "task-retried"
     return "task-revoked" if is_revoke(finish.outcome, finish.error_code) else "task-failed"

@@ -159,6 +159,9 @@ CLIENT_TYPES: Final[Mapping[str, type[Body]]] = MappingProxyType({
 #: The error code of a ``FAILED`` finish that is Celery's revoke (``terminate``, or
 #: revoked before it ran): the claim ends ``revoked`` and the result ``REVOKED``.
 REVOKED_CODE: Final = "celery.revoked"
+#: The error code of a ``FAILED`` finish that is Celery's retry (``self.retry()``): the
+#: next attempt is in the finish's ``publish``, and the claim stays open for it.
+RETRY_CODE: Final = "celery.retry"
 
 SERVER_TYPES: Final = frozenset({"worker.welcome", "ack", "error", "task.assign",
                                   "task.cancel"})
@@ -171,3 +174,8 @@ MAX_ERROR_MESSAGE: Final = 1024
 def is_revoke(outcome: str, error_code: str | None) -> bool:
     """Whether a finish is Celery's revoke (see :data:`REVOKED_CODE`)."""
     return outcome == "FAILED" and error_code == REVOKED_CODE
+
+
+def is_retry(outcome: str, error_code: str | None) -> bool:
+    """Whether a finish is Celery's retry (see :data:`RETRY_CODE`)."""
+    return outcome == "FAILED" and error_code == RETRY_CODE

@@ -2,18 +2,23 @@
 
 Deliveries are the ``task.assign`` frames the worker's gateway client received: each is
 already reserved in the store for this instance, and acknowledged to the real broker by
-the gateway. So acknowledging here is kombu's bookkeeping only, giving a delivery back
-keeps it in this process (its lease at the gateway decides), and nothing can be
-published: a gateway worker holds no broker credentials (``self.retry()``, canvas and
-``apply_async`` from a task fail with a clear error; docs/gateway.md). Its remote-control
-queue holds only the ``revoke`` messages its gateway's ``task.cancel`` frames carry
+the gateway. So acknowledging here is kombu's bookkeeping only, and giving a delivery
+back keeps it in this process (its lease at the gateway decides). A gateway worker holds
+no broker credentials: what a running task publishes to its own queue (``self.retry()``,
+a chain's next step, ``apply_async``) is kept and travels in the attempt's
+``task.finish``, and the gateway publishes it before it applies the finish, as a direct
+worker's pool child publishes before its completion. Anything else, or a publication
+outside a task, fails with a clear error (docs/gateway.md). Its remote-control queue
+holds only the ``revoke`` messages its gateway's ``task.cancel`` frames carry
 (:mod:`.cancels`).
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
+import json
 import os
 import queue as queue_module
 import uuid
@@ -21,6 +26,7 @@ from typing import Any
 
 from kombu.transport import virtual
 
+from celery_pulse.deferral import deferral, keep_published
 from celery_pulse.errors import PulseError
 from celery_pulse.gateway.cancels import PIDBOX_SUFFIX, pidbox_message
 from celery_pulse.gateway.worker import EPOCH_HEADER, client_for
@@ -29,9 +35,58 @@ from celery_pulse.gateway.worker import EPOCH_HEADER, client_for
 POLLING_INTERVAL = 0.005
 
 
+#: A publication's AMQP properties the gateway passes on (the rest are the broker's).
+CARRIED_PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
+#: At most this much of a task's publications rides in one finish (its result is at most
+#: 256 KiB, and the task's own result shares it).
+PUBLISHED_LIMIT = 128 * 1024
+
+
 class NoPublishing(PulseError):
-    """A gateway worker can't publish: it has no broker (retry, canvas and apply_async
-    from a task need a direct worker)."""
+    """A gateway worker publishes only from a running task and to its own queue (it has
+    no broker: what it publishes travels in the task's finish)."""
+
+
+def _running_queue() -> str | None:
+    """The queue the task running in this thread came from (the transport routed it with
+    the default exchange, so Celery sends its retry straight back there)."""
+    from celery import current_task
+
+    request = getattr(current_task, "request", None)
+    info = getattr(request, "delivery_info", None) or {}
+    queue = info.get("routing_key")
+    return queue if isinstance(queue, str) else None
+
+
+def kept(message: dict[str, Any], exchange: str, routing_key: str) -> dict[str, Any]:
+    """A task's publication as its finish carries it (``publish`` in the result: see
+    docs/gateway.md), or :class:`NoPublishing` saying why it can't be."""
+    queue = _running_queue()
+    if queue is None:
+        raise NoPublishing("a gateway worker publishes only from a running task (its "
+                           "messages travel in the task's finish)")
+    if routing_key != queue or exchange not in ("", queue):
+        raise NoPublishing(f"a gateway worker publishes only to its own queue {queue!r}, "
+                           f"not to exchange {exchange!r} with routing key {routing_key!r}: "
+                           f"route that task to a direct worker's queue")
+    body = message["body"]
+    properties = message.get("properties") or {}
+    publication = {
+        "queue": queue,
+        "body": base64.b64encode(body if isinstance(body, bytes) else body.encode()).decode(),
+        "content_type": message.get("content-type"),
+        "content_encoding": message.get("content-encoding"),
+        "headers": dict(message.get("headers") or {}),
+        "properties": {k: properties[k] for k in CARRIED_PROPERTIES
+                       if properties.get(k) is not None}}
+    try:
+        size = len(json.dumps(publication, allow_nan=False, separators=(",", ":")))
+    except (TypeError, ValueError) as exc:
+        raise NoPublishing(f"a gateway worker's publication travels as JSON: {exc}") from None
+    if size > PUBLISHED_LIMIT:
+        raise NoPublishing(f"a publication of {size} bytes is over the {PUBLISHED_LIMIT} a "
+                           f"gateway worker's finish carries")
+    return publication
 
 
 class Channel(virtual.Channel):
@@ -69,6 +124,18 @@ class Channel(virtual.Channel):
     def _restore(self, message: Any) -> None:
         """Given back (a pause, a reject with requeue): kept here, first in line."""
         self._returned.appendleft(message.serializable())
+
+    def basic_publish(self, message: Any, exchange: str, routing_key: str, **kwargs: Any
+                      ) -> None:
+        """Kept for the running task's finish (:func:`kept`), never routed here."""
+        publication = kept(message, exchange, routing_key)
+        carried = sum(len(json.dumps(p, separators=(",", ":")))
+                      for p in deferral.published or ())
+        if carried > PUBLISHED_LIMIT:
+            raise NoPublishing(f"this task's publications are over the {PUBLISHED_LIMIT} "
+                               f"bytes a gateway worker's finish carries")
+        if not keep_published(publication):
+            raise NoPublishing("a gateway worker publishes only from a running task")
 
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
         raise NoPublishing()

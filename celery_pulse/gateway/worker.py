@@ -35,12 +35,13 @@ from typing import Any
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
 from celery_pulse.gateway.client import Answer, Assigned, GatewayClient, Pending
 from celery_pulse.gateway.frames import Code, ProtocolError
-from celery_pulse.gateway.protocol import REVOKED_CODE
+from celery_pulse.gateway.protocol import RETRY_CODE, REVOKED_CODE
 from celery_pulse.gateway.replies import UNANSWERED
 from celery_pulse.settings import Settings
 from celery_pulse.store.base import (
     FAILED,
     NEEDS_REVIEW,
+    RETRY,
     REVOKED,
     SUCCEEDED,
     ClaimStore,
@@ -64,7 +65,8 @@ _Asked = tuple[str, Assigned, Pending]
 
 #: Claim outcomes as the protocol's, with the error code a failure carries.
 OUTCOMES = {SUCCEEDED: ("SUCCEEDED", None), FAILED: ("FAILED", "celery.failure"),
-            REVOKED: ("FAILED", REVOKED_CODE), NEEDS_REVIEW: ("UNKNOWN", "celery.unknown")}
+            REVOKED: ("FAILED", REVOKED_CODE), NEEDS_REVIEW: ("UNKNOWN", "celery.unknown"),
+            RETRY: ("FAILED", RETRY_CODE)}
 #: The gateway's dispositions as the store's completion answers.
 ANSWERS = {"APPLIED": "applied", "DUPLICATE": "duplicate", "EVIDENCE_ONLY": "evidence"}
 
@@ -177,10 +179,12 @@ class GatewayStore(RegistryStore, ClaimStore):
             if assigned is None:
                 out[c.task_id] = "evidence"
                 continue
-            outcome, code = OUTCOMES.get(c.outcome, ("FAILED", "celery.retry_unsupported"))
-            result: Any = {"error": (c.error or "")[:2000]}
+            outcome, code = OUTCOMES.get(c.outcome, ("FAILED", "celery.failure"))
+            result: dict[str, Any] = {"error": (c.error or "")[:2000]}
             if c.result is not None and c.result.value is not None:
                 result = {"celery_meta": json.loads(c.result.value)}
+            if c.published:  # published by the gateway before it applies the finish
+                result["publish"] = list(c.published)
             pending = self.client.submit_finish(assigned, outcome, result, code)
             sent.append((c, (c.task_id, assigned, pending)))
         return out, sent

@@ -79,6 +79,8 @@ class LocalClaim:
     returned: str | None = None
     #: Opaque adapter data of a chord part (its request), for when its count comes back.
     chord_part: Any = None
+    #: Messages the attempt published that its completion carries (a gateway worker's).
+    published: tuple[Any, ...] = ()
     #: The cluster-wide concurrency permits its start needs (None: not decided yet).
     permits: tuple[Permit, ...] | None = None
     #: When its start first found no free permit (monotonic), while it waits for one.

@@ -169,7 +169,7 @@ class LeaseKeeper(ClaimTable):
                         callback: CompleteCallback | None = None) -> None:
         self.forget(claim)
         completion = Completion(claim.task_id, claim.epoch, claim.token, outcome, error,
-                                claim.result, claim.returned)
+                                claim.result, claim.returned, claim.published)
         self._submit(Op("complete", completion, callback, False))
 
     def submit_late(self, claim: LocalClaim, outcome: str, error: str | None) -> None:

@@ -52,9 +52,10 @@ logger = logging.getLogger(__name__)
 
 LEASE_SIGNAL = signal.SIGUSR2
 REFUSED = "celery-pulse:start-refused"
-#: ``(RECORDED, tracer's return, ResultRecord's fields, chord part or None)``: the attempt's result
-#: for the ``pulse://`` backend, written (and a chord part counted) by the parent with the
-#: completion (fenced), not by the child.
+#: ``(RECORDED, tracer's return, ResultRecord's fields or None, chord part or None,
+#: messages published or None)``: the attempt's result for the ``pulse://`` backend,
+#: written (and a chord part counted) by the parent with the completion (fenced), not by
+#: the child; and what a gateway worker's attempt published, carried with it.
 RECORDED = "celery-pulse:result"
 #: Result-backend methods Celery's tracer writes a task's state through.
 BACKEND_WRITES = ("store_result", "mark_as_done", "mark_as_failure", "mark_as_retry",
@@ -298,8 +299,9 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
             return interrupt.plain(target(*args, **kwargs))
         with deferred_result(task_id) as deferral:
             value = interrupt.plain(target(*args, **kwargs))
-        if deferral.record is not None:
-            return (RECORDED, value, record_fields(deferral.record), deferral.chord)
+        if deferral.record is not None or deferral.published:
+            return (RECORDED, value, None if deferral.record is None
+                    else record_fields(deferral.record), deferral.chord, deferral.published)
         return value
     finally:
         _armed = None

@@ -290,9 +290,10 @@ class TaskPool(prefork.TaskPool):
                 self.service.exits.not_run(claim, claim.request,
                                            "the lease was lost before the body started")
                 return None
-            if isinstance(result, tuple) and len(result) == 4 and result[0] == child.RECORDED:
-                # Written (and a chord part counted) with the completion.
-                claim.result = ResultRecord(*result[2])
+            if isinstance(result, tuple) and len(result) == 5 and result[0] == child.RECORDED:
+                # Written (and a chord part counted, published) with the completion.
+                claim.result = None if result[2] is None else ResultRecord(*result[2])
+                claim.published = tuple(result[4] or ())
                 claim.chord_part, result = result[3], result[1]
             if isinstance(result, tuple) and len(result) > 1 and not result[0] \
                     and isinstance(result[1], str):

@@ -217,6 +217,9 @@ class Completion:
     #: The attempt's return value as Celery shows it (its repr): kept in
     #: ``pulse_evidence`` if the completion is stale, for the reviewer; never applied.
     returned: str | None = None
+    #: Messages the attempt published, carried for the store's side to publish before it
+    #: applies the completion (a gateway worker's: :func:`celery_pulse.deferral.keep_published`).
+    published: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -127,16 +127,6 @@ def test_a_revoked_credential_stops_the_remote_worker(
     assert worker.wait(60) != 0
 
 
-def test_a_task_that_needs_to_publish_fails_saying_why(
-        env: Env, client_app: Celery, gateway_store: SqlStore, remote: Callable[..., Worker]) -> None:
-    worker = remote("remote7@edge", concurrency=1).wait_ready(60)
-    result = client_app.send_task("gatewayapp.retrying", queue=env.queue)
-    with pytest.raises(Exception, match="can't publish"):
-        result.get(timeout=30)
-    assert claim_of(gateway_store, result.id).state == "failed"
-    assert worker.proc.poll() is None  # the worker carries on
-
-
 def _take_over(store: SqlStore, task_id: str) -> None:
     """What another worker's Recover would do: a new epoch for someone else."""
     with store.engine.begin() as conn:

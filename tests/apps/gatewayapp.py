@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from celery import Celery
 
@@ -62,10 +63,29 @@ def hold(seconds: float, marker: str) -> str:
     return "held"
 
 
-@app.task(name="gatewayapp.retrying", bind=True)
-def retrying(self: object) -> None:
-    """A retry publishes: a gateway worker has no broker to publish to."""
-    raise self.retry(countdown=0)  # type: ignore[attr-defined]
+@app.task(name="gatewayapp.flaky", bind=True, max_retries=5)
+def flaky(self: Any, folder: str, fails: int, countdown: float) -> int:
+    """Records each run (a file per run), and retries until it has failed ``fails``
+    times: the retry is published by the gateway, from the finish."""
+    lease = current_lease()
+    assert lease is not None
+    runs = len(os.listdir(folder)) + 1
+    with open(os.path.join(folder, f"{runs}-{lease.epoch}-{time.time()}"), "w"):
+        pass
+    if runs <= fails:
+        raise self.retry(countdown=countdown)
+    return runs
+
+
+@app.task(name="gatewayapp.plus")
+def plus(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="gatewayapp.elsewhere")
+def elsewhere() -> None:
+    """Publishes to a queue that isn't this worker's: refused, saying why."""
+    plus.apply_async((1, 2), queue="somebody-elses-queue")
 
 
 @app.task(name="gatewayapp.stubborn")
