@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
 from celery_pulse.gateway import frames
+from celery_pulse.gateway.deadlines import within
 from celery_pulse.gateway.frames import Frame, ProtocolError
 
 # The server's log lines keep the server's logger name, wherever their code lives.
@@ -92,7 +93,7 @@ class Link:
             if text is None:
                 return
             try:
-                await asyncio.wait_for(self.conn.send(text), self.limits.write_timeout)
+                await within(self.conn.send(text), self.limits.write_timeout)
             except (TimeoutError, ConnectionClosed):
                 logger.info("pulse gateway: dropping %s: write did not complete",
                             self.conn.remote_address)

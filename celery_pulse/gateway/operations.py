@@ -29,6 +29,7 @@ from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.clock import StoreClock
 from celery_pulse.gateway.cluster import Cluster
+from celery_pulse.gateway.deadlines import within
 from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced, Step
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
@@ -343,7 +344,7 @@ class Operations(Cluster, Revoking):
         """A store call's answer, under the store deadline; its failure as the
         protocol's (``UNAVAILABLE`` or ``INTERNAL``, never the driver's words)."""
         try:
-            return await asyncio.wait_for(work, self.limits.store_timeout)
+            return await within(work, self.limits.store_timeout)
         except TimeoutError:
             raise ProtocolError(Code.UNAVAILABLE, "the store did not answer in time") from None
         except StoreUnavailable:

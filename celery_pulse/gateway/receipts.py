@@ -9,6 +9,8 @@ server (:mod:`celery_pulse.gateway.server`) decides; this module only spells.
 from __future__ import annotations
 
 import base64
+import functools
+import math
 from datetime import datetime, timezone
 from typing import Any
 
@@ -84,5 +86,17 @@ def assign_body(attempt: Attempt, message: Any, lease_ttl: float) -> dict[str, A
 
 def timestamp(seconds: float) -> str:
     """RFC 3339 UTC with milliseconds, as the seed writes times (``...T08:00:30.000Z``)."""
-    moment = datetime.fromtimestamp(seconds, timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+    fraction, whole = math.modf(seconds)  # rounded as datetime.fromtimestamp rounds
+    micros = round(fraction * 1e6)
+    if micros >= 1_000_000:
+        whole, micros = whole + 1, micros - 1_000_000
+    elif micros < 0:
+        whole, micros = whole - 1, micros + 1_000_000
+    return f"{_second(int(whole))}.{micros // 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=256)
+def _second(whole: int) -> str:
+    """The part before the fraction (``strftime`` is a gateway's hot spot: every answer
+    carries two times, most within the same few seconds)."""
+    return datetime.fromtimestamp(whole, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")

@@ -61,6 +61,7 @@ from websockets.typing import Subprotocol
 from celery_pulse.gateway import frames
 from celery_pulse.gateway.admission import Admission, counted
 from celery_pulse.gateway.cluster import REPLACED, consuming
+from celery_pulse.gateway.deadlines import within
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.handshake import PATH, Handshake
@@ -215,7 +216,7 @@ class Gateway(Handshake, Operations):
         try:
             while True:
                 try:
-                    data = await asyncio.wait_for(conn.recv(), self.limits.read_idle)
+                    data = await within(conn.recv(), self.limits.read_idle)
                 except TimeoutError:
                     if await link.answers_ping():
                         continue  # idle, not gone: an idle worker is never cut

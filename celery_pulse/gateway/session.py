@@ -129,6 +129,9 @@ class Instance:
         self.lock = threading.Lock()
         #: attempt_id -> the attempts assigned to it, oldest first (across sessions).
         self.attempts: dict[str, Attempt] = {}
+        #: Those of them that may still be live (a superset, pruned by :meth:`free`): the
+        #: feeder asks for the free slots on every look, and ``attempts`` keeps 1,024.
+        self._live: dict[str, Attempt] = {}
         self._replies: OrderedDict[str, tuple[str, Mapping[str, Any]]] = OrderedDict()
         self._applying: dict[str, tuple[str, asyncio.Future[Any]]] = {}
 
@@ -179,15 +182,18 @@ class Instance:
             state = self.capacity
             if not state.declared or state.drain:
                 return 0
-            held = sum(1 for a in self.attempts.values()
-                       if a.state in LIVE and a.deadline > now)
+            live = self._live
+            for attempt_id in [i for i, a in live.items() if a.state not in LIVE]:
+                del live[attempt_id]
+            held = sum(1 for a in live.values() if a.deadline > now)
             return max(0, state.capacity - held)
 
     def assign(self, attempt: Attempt) -> None:
         with self.lock:
             self.attempts[attempt.attempt_id] = attempt
+            self._live[attempt.attempt_id] = attempt
             while len(self.attempts) > ATTEMPTS_KEPT:  # the oldest: finished or expired
-                del self.attempts[next(iter(self.attempts))]
+                self._live.pop(self.attempts.pop(next(iter(self.attempts))).attempt_id, None)
 
     def attempt(self, wire_task_id: str, attempt_id: str, epoch: int, secret: str) -> Attempt:
         """The attempt a frame names, if it names it exactly (secret compared in constant
@@ -206,9 +212,11 @@ class Instance:
             for attempt in attempts:
                 known = self.attempts.get(attempt.attempt_id)
                 if known is None:
-                    self.attempts[attempt.attempt_id] = attempt
+                    self.attempts[attempt.attempt_id] = known = attempt
                 else:
                     known.state = attempt.state
+                if known.state in LIVE:
+                    self._live[known.attempt_id] = known
             if live is not None:
                 for attempt_id, known in self.attempts.items():
                     if known.state in LIVE and attempt_id not in live:

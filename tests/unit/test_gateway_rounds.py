@@ -51,6 +51,33 @@ def test_the_first_operation_goes_at_once_and_those_arriving_meanwhile_share_the
     assert answers == ["A:1", "B:1", "C:1", "D:1"]
 
 
+def test_two_rounds_go_side_by_side_a_key_never_in_both_and_a_third_waits() -> None:
+    """A worker's start sent just after its finish goes beside the finish's round, not
+    a whole round later; an operation of a task already in a round waits for it, and
+    no more than two rounds are in the store at once."""
+    async def scenario() -> list[list[str]]:
+        apply = Recorder()
+        apply.release.clear()
+        rounds: Rounds[str, str] = Rounds(apply, key)
+        loop = asyncio.get_running_loop()
+        first = rounds.submit("t1:finish")
+        await loop.run_in_executor(None, apply.entered.wait, 5)
+        apply.entered.clear()
+        second = [rounds.submit("t2:start"), rounds.submit("t1:start")]
+        await loop.run_in_executor(None, apply.entered.wait, 5)  # beside the first
+        third = rounds.submit("t3:start")
+        await asyncio.sleep(0.05)
+        assert apply.rounds == [["t1:finish"], ["t2:start"]]  # t1 busy; two in the store
+        apply.release.set()
+        assert await asyncio.gather(first, *second, third) == [
+            "T1:FINISH", "T2:START", "T1:START", "T3:START"]
+        return apply.rounds
+
+    seen = asyncio.run(scenario())
+    assert seen[:2] == [["t1:finish"], ["t2:start"]]
+    assert sorted(item for later in seen[2:] for item in later) == ["t1:start", "t3:start"]
+
+
 def test_a_round_holds_one_operation_per_key_the_next_in_the_following_round() -> None:
     async def scenario() -> list[list[str]]:
         apply = Recorder()
