@@ -36,6 +36,11 @@ def _plain_transaction(lease: Lease, target: Any) -> Iterator[Any]:
 
     The same argument checks as the real fence, so a test catches what production refuses.
     """
+    kind = pulse_lease.fence_kind_of(target)
+    if kind is not None:
+        with kind.plain(target):
+            yield target
+        return
     begin = getattr(target, "begin", None)
     in_transaction = getattr(target, "in_transaction", None)
     if not callable(begin) or not callable(in_transaction):

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 from celery_pulse.errors import LeaseLost
 from celery_pulse.store.base import mask_token
@@ -22,6 +22,37 @@ DeadlineReader = Callable[[], "tuple[float, bool] | None"]
 Fencer = Callable[["Lease", Any], AbstractContextManager[Any]]
 
 _local = threading.local()
+
+
+class FenceKind(Protocol):
+    """How ``lease.fenced()`` fences a connection of another library than SQLAlchemy (an
+    integration registers one: :mod:`celery_pulse.contrib.django`)."""
+
+    def accepts(self, target: Any) -> bool:
+        """Whether ``target`` is one of this kind's connections."""
+
+    def fenced(self, lease: Lease, target: Any, ttl: float,
+               same_store: Callable[[str], bool]) -> AbstractContextManager[Any]:
+        """The fenced block on ``target`` (``same_store(url)``: whether a store URL
+        names the pulse store's database; ``ttl`` caps its waits)."""
+
+    def plain(self, target: Any) -> AbstractContextManager[Any]:
+        """A plain transaction on ``target``: an in-process lease's fence."""
+
+
+#: The kinds registered, newest last.
+_kinds: list[FenceKind] = []
+
+
+def register_fence_kind(kind: FenceKind) -> None:
+    """Let ``lease.fenced()`` take ``kind``'s connections (once per kind's type)."""
+    if not any(type(known) is type(kind) for known in _kinds):
+        _kinds.append(kind)
+
+
+def fence_kind_of(target: Any) -> FenceKind | None:
+    """The registered kind ``target`` is a connection of, if any."""
+    return next((kind for kind in _kinds if kind.accepts(target)), None)
 
 
 class Lease:
@@ -90,8 +121,10 @@ class Lease:
         """Run a block of writes on the store's database that commits only while we hold.
 
         ``conn`` is a SQLAlchemy ``Connection`` or ``Session`` on the store's database,
-        not in a transaction. The claim row stays locked until commit, so no takeover
-        can be granted in between; on loss the block rolls back and raises LeaseLost.
+        not in a transaction (or a registered kind's: Django's ``connection`` with
+        ``celery_pulse.contrib.django``). The claim row stays locked until commit, so no
+        takeover can be granted in between; on loss the block rolls back and raises
+        LeaseLost.
         """
         return self._fencer(self, conn)
 

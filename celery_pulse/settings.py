@@ -45,6 +45,11 @@ class Settings:
                       "mariadbconnector, or SQLite).",
                       "SQLite file ./.celery-pulse/pulse.sqlite3"),
     )
+    database: str | None = dataclasses.field(
+        default=None, metadata=_doc("A Django `DATABASES` alias: the store is that database, "
+                                    "through pulse's own connections (Django settings: "
+                                    "`CELERY_PULSE_DATABASE`; docs/django.md). "
+                                    "`pulse_store_url` wins.", "None"))
     worker_ttl: float = dataclasses.field(
         default=30.0, metadata=_doc("How long a worker registration lives without heartbeat.", "30 s"))
     heartbeat_interval: float = dataclasses.field(
@@ -208,6 +213,9 @@ class Settings:
             raise InvalidConfig(f"pulse_store_pooler must be auto, none, session or "
                                 f"transaction, got {self.store_pooler!r}",
                                 setting="pulse_store_pooler")
+        if self.database is not None and not (isinstance(self.database, str) and self.database):
+            raise InvalidConfig("pulse_database must name a Django DATABASES alias",
+                                setting="pulse_database")
         if self.on_lost is not None and self.on_lost not in ON_LOST_POLICIES:
             raise InvalidConfig(f"pulse_on_lost must be one of {ON_LOST_POLICIES}, "
                                 f"got {self.on_lost!r}", setting="pulse_on_lost")
@@ -240,6 +248,10 @@ class Settings:
             if value is None:
                 continue
             kwargs[field.name] = _coerce(key, value, field.type)
+        if kwargs.get("database") and "store_url" not in kwargs:  # Django read on demand
+            from celery_pulse.contrib.django.database import store_url
+
+            kwargs["store_url"] = store_url(kwargs["database"])
         return cls(**kwargs)
 
 

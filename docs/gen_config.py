@@ -41,6 +41,8 @@ _POSITIVE = "a number > 0"
 RULES: dict[str, Rule] = {
     "store_url": Rule(f"scheme one of `{'`, `'.join(STORE_SCHEMES)}`",
                       {"pulse_store_url": "mongodb://localhost/db"}),
+    "database": Rule("an alias in Django's `DATABASES`, of PostgreSQL, MySQL/MariaDB or "
+                     "SQLite (a file)", {"pulse_database": ""}),
     "worker_ttl": Rule(_POSITIVE, {"pulse_worker_ttl": 0}),
     "heartbeat_interval": Rule(f"{_POSITIVE}, shorter than `pulse_worker_ttl`",
                                {"pulse_worker_ttl": 5, "pulse_heartbeat_interval": 5}),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
 import sqlalchemy as sa
@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from celery_pulse.errors import InvalidConfig
-from celery_pulse.lease import Lease
+from celery_pulse.lease import Lease, fence_kind_of
 from celery_pulse.store.base import LIVE_STATES
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import drop_on_failover
@@ -55,12 +55,24 @@ def make_fencer(store_url: str, ttl: float, pooler_mode: Callable[[], str] | Non
     ``pooler_mode`` tells the store's pooler mode (:mod:`.pooler`)."""
     expected = identity(make_url(canonical_store_url(store_url)))
 
+    def same_store(url: str) -> bool:
+        return identity(make_url(canonical_store_url(url))) == expected
+
+    def fencer(lease: Lease, target: Any) -> AbstractContextManager[Any]:
+        kind = fence_kind_of(target)
+        if kind is not None:
+            return kind.fenced(lease, target, ttl, same_store)
+        return fenced(lease, target)
+
     @contextmanager
     def fenced(lease: Lease, target: Any) -> Iterator[Any]:
         if isinstance(target, Session):
             what, noun = "session", "session"
         elif isinstance(target, sa.Connection):
             what, noun = "conn", "connection"
+        elif type(target).__module__.startswith("django."):
+            raise InvalidConfig("lease.fenced(): a Django connection needs "
+                                "'celery_pulse.contrib.django' in INSTALLED_APPS")
         else:
             raise InvalidConfig("lease.fenced() takes a SQLAlchemy Connection or Session")
         if target.in_transaction():
@@ -93,37 +105,63 @@ def make_fencer(store_url: str, ttl: float, pooler_mode: Callable[[], str] | Non
         if dialect.is_postgres and pooler_mode is not None:
             _check_prepare(conn, pooler_mode())
         if dialect.is_postgres:
-            ms = max(1, int(ttl * 1000))
-            for setting in ("lock_timeout", "statement_timeout",
-                            "idle_in_transaction_session_timeout"):
-                conn.exec_driver_sql(f"SET LOCAL {setting} = {ms}")
+            for statement in postgres_caps(ttl):
+                conn.exec_driver_sql(statement)
         saved: dict[str, Any] = {}
         if dialect.is_mysql:
             saved = _cap_mysql_session(conn, ttl)
-        guard = (sa.update(claims)
-                 .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
-                        claims.c.token == lease.token, claims.c.state.in_(LIVE_STATES),
-                        claims.c.lease_until > dialect.now())
-                 .values(epoch=claims.c.epoch))
+        guard = guard_statement(lease, dialect)
         if dialect.is_mysql:  # no RETURNING; the engine counts matched rows (FOUND_ROWS)
             held = bool(conn.execute(guard).rowcount)
         else:
-            held = conn.execute(guard.returning(claims.c.task_id)).first() is not None
+            held = conn.execute(guard).first() is not None
         if not held:
             raise lease.lost_error(" (the store refused the fenced write)")
         return saved
 
     def _recheck(conn: sa.Connection, lease: Lease) -> None:
         lease.check()
-        dialect = Dialect(conn.dialect.name)
-        still = conn.execute(
-            sa.select(claims.c.task_id)
-            .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
-                   claims.c.state.in_(LIVE_STATES), claims.c.lease_until > dialect.now())).first()
-        if still is None:
+        if conn.execute(held_statement(lease, Dialect(conn.dialect.name))).first() is None:
             raise lease.lost_error(" (expired before commit)")
 
-    return fenced
+    return fencer
+
+
+def postgres_caps(ttl: float) -> list[str]:
+    """A fenced block's caps on PostgreSQL, for its transaction only: a holder paused in
+    the block loses its transaction instead of pinning the claim row."""
+    ms = max(1, int(ttl * 1000))
+    return [f"SET LOCAL {setting} = {ms}" for setting in
+            ("lock_timeout", "statement_timeout", "idle_in_transaction_session_timeout")]
+
+
+def mysql_caps(ttl: float, mariadb: bool) -> dict[str, Any]:
+    """A fenced block's session caps on MySQL (lock waits, statements) and MariaDB (idling
+    too), set for the block and put back before it ends (MySQL has no ``SET LOCAL``)."""
+    seconds = max(1, int(ttl + 0.999))
+    if mariadb:
+        return {"innodb_lock_wait_timeout": seconds, "max_statement_time": round(ttl, 3),
+                "idle_transaction_timeout": seconds}
+    # MySQL: max_execution_time caps SELECTs only, in milliseconds
+    return {"innodb_lock_wait_timeout": seconds, "max_execution_time": max(1, int(ttl * 1000))}
+
+
+def guard_statement(lease: Lease, dialect: Dialect) -> Any:
+    """The no-op UPDATE that locks the claim row if this attempt holds its lease by the
+    store clock (RETURNING its id where the database has it; MySQL counts the row)."""
+    guard = (sa.update(claims)
+             .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
+                    claims.c.token == lease.token, claims.c.state.in_(LIVE_STATES),
+                    claims.c.lease_until > dialect.now())
+             .values(epoch=claims.c.epoch))
+    return guard if dialect.is_mysql else guard.returning(claims.c.task_id)
+
+
+def held_statement(lease: Lease, dialect: Dialect) -> Any:
+    """The check before commit: the attempt still holds, by the store clock."""
+    return (sa.select(claims.c.task_id)
+            .where(claims.c.task_id == lease.task_id, claims.c.epoch == lease.epoch,
+                   claims.c.state.in_(LIVE_STATES), claims.c.lease_until > dialect.now()))
 
 
 def _check_prepare(conn: sa.Connection, mode: str) -> None:
@@ -145,14 +183,7 @@ def _cap_mysql_session(conn: sa.Connection, ttl: float) -> dict[str, Any]:
     MySQL has no ``SET LOCAL``: the session values are set here and put back by
     :func:`_restore` before the transaction ends; returns the values to put back.
     """
-    seconds = max(1, int(ttl + 0.999))
-    if getattr(conn.dialect, "is_mariadb", False):
-        caps: dict[str, Any] = {"innodb_lock_wait_timeout": seconds,
-                                "max_statement_time": round(ttl, 3),
-                                "idle_transaction_timeout": seconds}
-    else:  # MySQL: max_execution_time caps SELECTs only, in milliseconds
-        caps = {"innodb_lock_wait_timeout": seconds,
-                "max_execution_time": max(1, int(ttl * 1000))}
+    caps = mysql_caps(ttl, bool(getattr(conn.dialect, "is_mariadb", False)))
     names = list(caps)
     row = conn.exec_driver_sql(
         "SELECT " + ", ".join(f"@@SESSION.{name}" for name in names)).one()

@@ -1,0 +1,28 @@
+"""The task: charge an order, once, with its ORM write fenced by the task's lease."""
+
+import os
+import time
+
+from celery import shared_task
+from django.db import connection
+
+from celery_pulse import current_lease
+from example_django.orders.models import Charge
+
+
+@shared_task(acks_late=True)
+def charge(order: str, folder: str | None = None) -> int:
+    """Charge ``order``. The write commits only while this attempt holds its lease: an
+    attempt paused past its lease and taken over writes nothing, ever.
+
+    ``folder`` (tests): the attempt says it started (``started-<epoch>``) and waits for
+    a ``go`` file before writing, so a test can pause it at that point."""
+    lease = current_lease()
+    assert lease is not None
+    if folder:
+        open(os.path.join(folder, f"started-{lease.epoch}"), "w").close()
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.05)
+    with lease.fenced(connection):
+        Charge.objects.create(order=order, task_id=lease.task_id, epoch=lease.epoch)
+    return lease.epoch

@@ -1,0 +1,162 @@
+"""A Django project on pulse (issue 38; example_django/): the store is Django's own
+database (``CELERY_PULSE_DATABASE = "default"``, no store URL written again), and a
+task's ORM writes go through ``lease.fenced(django.db.connection)``.
+
+Real processes: Django's ``manage.py migrate``, ``celery pulse migrate`` reading the
+store from ``DATABASES``, and ``celery worker -P pulse`` processes of the example
+project, on PostgreSQL (Django's ``postgres://`` form, the tables in a schema of their
+own through ``search_path``) and on SQLite; Redis as the broker. A worker is paused
+(SIGSTOP) inside a task, its claim taken over and run again by another worker, then
+resumed: its fenced write must never land.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_pulse.contrib.services import Schema
+from tests.helpers import services
+from tests.helpers.workers import ROOT, Env, Worker, wait_for
+
+TASK = "example_django.orders.tasks.charge"
+
+
+class Shop:
+    """The example project on one database: its environment and commands."""
+
+    def __init__(self, tmp: Path, queue: str, broker: str, store_url: str,
+                 database: dict[str, str]) -> None:
+        self.tmp, self.queue, self.broker, self.store_url = tmp, queue, broker, store_url
+        self.vars = {"SHOP_QUEUE": queue, "SHOP_BROKER_URL": broker, "SHOP_LEASE_TTL": "3",
+                     "SHOP_RECOVER_INTERVAL": "0.5", **database}
+        self.env = Env(store_url, broker, queue, tmp, app="example_django.shop")
+
+    def run(self, *argv: str, extra: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+        variables = {**self.env.vars(), **self.vars, **(extra or {})}
+        return subprocess.run([sys.executable, *argv], env=variables, cwd=self.tmp,
+                              capture_output=True, text=True, timeout=120)
+
+    def charges(self, order: str) -> list[int]:
+        """The epochs of the charges written for ``order``, read by the test itself."""
+        engine = sa.create_engine(self.store_url)
+        try:
+            with engine.connect() as conn:
+                return [int(e) for (e,) in conn.execute(sa.text(
+                    'SELECT epoch FROM orders_charge WHERE "order" = :o ORDER BY epoch'),
+                    {"o": order})]
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def shop(request: pytest.FixtureRequest, tmp_path: Path, queue_name: str, redis_url: str
+         ) -> Iterator[Shop]:
+    schema = None
+    if request.param == "postgres":
+        services.require("postgres")
+        schema = Schema(services.PG_ADMIN_URL, prefix=services.SCHEMA_PREFIX).create()
+        admin = sa.make_url(services.PG_ADMIN_URL)
+        # Django's own spelling of the URL (postgres://), the schema by search_path.
+        database = {"SHOP_DATABASE_URL": f"postgres://{admin.username}@{admin.host}:"
+                                         f"{admin.port or 5432}/{admin.database}"
+                                         f"?search_path={schema.name}"}
+        store_url = schema.url
+    else:
+        path = tmp_path / "shop.sqlite3"
+        database = {"SHOP_SQLITE": str(path)}
+        store_url = f"sqlite:///{path}"
+    made = Shop(tmp_path, queue_name, redis_url, store_url, database)
+    try:
+        migrated = made.run(str(ROOT / "example_django" / "manage.py"), "migrate", "-v0")
+        assert migrated.returncode == 0, migrated.stderr
+        pulse = made.run("-m", "celery", "-A", "example_django.shop", "pulse", "migrate")
+        assert pulse.returncode == 0, pulse.stderr
+        yield made
+    finally:
+        services.tidy_queue(redis_url, queue_name)
+        if schema is not None:
+            schema.drop()
+
+
+@pytest.fixture
+def shop_worker(shop: Shop, workers: Callable[..., Worker]) -> Callable[[str], Worker]:
+    def start(name: str) -> Worker:
+        return workers(shop.env, name, concurrency=1, extra_env=shop.vars).wait_ready(60)
+    return start
+
+
+@pytest.fixture
+def client(shop: Shop) -> Iterator[Celery]:
+    app = Celery("shop-client", broker=shop.broker, backend="pulse+" + shop.store_url,
+                 set_as_current=False)
+    yield app
+    app.close()
+
+
+def test_a_fenced_orm_write_of_a_paused_and_taken_over_task_never_lands(
+        shop: Shop, shop_worker: Callable[[str], Worker], client: Celery) -> None:
+    folder = shop.tmp / "charge"
+    folder.mkdir()
+    first = shop_worker("shop-a@test")
+    result = client.send_task(TASK, ("order-1", str(folder)), queue=shop.queue)
+    wait_for(lambda: (folder / "started-1").exists(), 30, "the first attempt to start")
+    first.signal(signal.SIGSTOP)  # paused before its write, past its 3 s lease
+    second = shop_worker("shop-b@test")
+    [again] = wait_for(lambda: [p for p in folder.glob("started-*") if p.name != "started-1"],
+                       30, "Recover to take the paused attempt's task over and run it again")
+    epoch = int(again.name.removeprefix("started-"))
+    (folder / "go").touch()
+    assert result.get(timeout=30) == epoch > 1
+    first.signal(signal.SIGCONT)  # its attempt goes on to its fenced write
+    first.wait_log(r"LeaseLost|lease lost for task", 30)
+    assert shop.charges("order-1") == [epoch]  # the stale attempt's write never landed
+    assert second.proc.poll() is None
+
+
+def test_the_store_refuses_a_stale_attempts_fenced_orm_write_it_does_not_know_is_stale(
+        shop: Shop) -> None:
+    """The fence's own check, not the worker's: a lease that still believes it holds
+    (resumed before its keeper noticed) writes once while it holds, then is taken over;
+    its next fenced write is refused by the claim row and rolls back."""
+    ran = shop.run(str(ROOT / "tests" / "apps" / "django_fence_probe.py"),
+                   extra={"DJANGO_SETTINGS_MODULE": "example_django.shop.settings"})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["held written", "stale refused", "rows 1"]
+
+
+def test_the_store_is_djangos_database_and_a_wrong_alias_is_named(
+        shop: Shop, shop_worker: Callable[[str], Worker], client: Celery) -> None:
+    """No store URL anywhere: the worker's store is Django's database (its claims and
+    results are there), and an alias that DATABASES lacks stops a command naming the
+    setting."""
+    shop_worker("shop-c@test")
+    result = client.send_task(TASK, ("order-2",), queue=shop.queue)
+    assert result.get(timeout=30) == 1
+    assert shop.charges("order-2") == [1]
+    wrong = shop.run("-m", "celery", "-A", "example_django.shop", "pulse", "status",
+                     extra={"SHOP_PULSE_DATABASE": "replica"})
+    assert wrong.returncode != 0
+    assert "pulse_database: 'replica' is not in Django's DATABASES" in wrong.stderr
+
+
+def test_an_eager_task_gets_an_in_process_lease_and_its_fenced_write_commits(
+        shop: Shop) -> None:
+    """CELERY_TASK_ALWAYS_EAGER (a Django test run): current_lease() is the in-process
+    lease and lease.fenced(connection) a plain transaction.atomic()."""
+    script = ("import django; django.setup()\n"
+              "from example_django.orders.tasks import charge\n"
+              "print(charge.delay('order-3').get())\n")
+    ran = shop.run("-c", script, extra={"SHOP_EAGER": "1",
+                                         "DJANGO_SETTINGS_MODULE": "example_django.shop.settings"})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["0"]  # the in-process lease's epoch
+    assert shop.charges("order-3") == [0]
