@@ -12,6 +12,7 @@ resumed: its fenced write must never land.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -187,6 +188,14 @@ def test_the_store_is_djangos_database_and_a_wrong_alias_is_named(
     result = client.send_task(TASK, ("order-2",), queue=shop.queue)
     assert result.get(timeout=30) == 1
     assert shop.charges("order-2") == [1]
+    # manage.py pulse: the celery pulse commands on the project's app and store.
+    listed = shop.run(str(ROOT / "example_django" / "manage.py"), "pulse", "claims",
+                      "--state", "succeeded", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [claim] = json.loads(listed.stdout)
+    assert (claim["task_id"], claim["state"], claim["epoch"]) == (result.id, "succeeded", 1)
+    workers = shop.run(str(ROOT / "example_django" / "manage.py"), "pulse", "workers", "--json")
+    assert [w["id"] for w in json.loads(workers.stdout)] == ["shop-c@test"]
     wrong = shop.run("-m", "celery", "-A", "example_django.shop", "pulse", "status",
                      extra={"SHOP_PULSE_DATABASE": "replica"})
     assert wrong.returncode != 0
