@@ -134,6 +134,27 @@ def test_the_store_refuses_a_stale_attempts_fenced_orm_write_it_does_not_know_is
     assert ran.stdout.splitlines() == ["held written", "stale refused", "rows 1"]
 
 
+def test_the_admin_shows_pulse_and_its_review_actions_obey_djangos_permissions(
+        shop: Shop) -> None:
+    """Django's test client on the admin: every page drawn from the store's rows; a
+    superuser's retry re-opens a task in review and resolve closes one, recorded under
+    their name; a staff user with only view permissions sees the queue and changes
+    nothing."""
+    ran = shop.run(str(ROOT / "tests" / "apps" / "django_admin_probe.py"),
+                   extra={"DJANGO_SETTINGS_MODULE": "example_django.shop.settings"})
+    assert ran.returncode == 0, ran.stderr
+    seen = dict(line.split(" ", 1) for line in ran.stdout.splitlines())
+    assert all(seen[page] == "200" for page in ("claim", "reviewitem", "worker", "leader",
+                                                 "scheduleentry", "permit")), seen
+    assert seen["claims-listed"] == "t-ok t-review1"
+    assert seen["review-listed"] == "t-review1 t-review2"  # needs_review only
+    assert seen["retry"] == "302 open"  # re-opened and re-published
+    assert seen["resolve"] == "302 succeeded"
+    assert seen["decided-by"] == "boss"
+    assert seen["viewer-sees"] == "200 True"
+    assert seen["viewer-acted"].endswith(" needs_review")  # not allowed: unchanged
+
+
 def _schema(url: str) -> dict[str, Any]:
     """pulse's tables as the database describes them: columns (name, type, nullable,
     default), primary key, indexes and unique constraints, table by table."""
