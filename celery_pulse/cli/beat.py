@@ -36,7 +36,8 @@ def beat_command(ctx: click.Context, name: str | None) -> None:
         elector = LeaderElector(store, BEAT_KEY, holder, ttl=settings.leader_ttl,
                                 interval=settings.leader_interval,
                                 margin=settings.leader_margin)
-        beat = Beat(store, elector, entries=EntrySource(app, store), publish=publisher(app),
+        source = EntrySource(app, store)
+        beat = Beat(store, elector, entries=source, publish=publisher(app, source.published),
                     catchup=settings.beat_catchup, now=store.now)
         elector.on_gained = beat.on_gained
         done = threading.Event()

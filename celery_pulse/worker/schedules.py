@@ -1,7 +1,9 @@
 """Celery schedules -> beat :class:`~celery_pulse.beat.Entry` objects.
 
 Static entries come from ``app.conf.beat_schedule``; dynamic ones from the
-``pulse_schedule`` table (``celery pulse schedule add``). Any Celery schedule
+``pulse_schedule`` table (``celery pulse schedule add``); with django-celery-beat's
+``DatabaseScheduler`` as ``beat_scheduler``, its ``PeriodicTask`` rows too
+(:mod:`celery_pulse.contrib.django.beat`). Any Celery schedule
 (``schedule``, ``crontab``, ``solar``) works: its own arithmetic decides the next
 due time, evaluated with "now" pinned to the previous due time, so every leader
 computes the same slot from the same ``last_run_at``.
@@ -57,7 +59,7 @@ def _as_schedule(value: Any) -> Any:
     return value
 
 
-def _payload(args: Any, kwargs: Any, options: Any) -> str:
+def payload(args: Any, kwargs: Any, options: Any) -> str:
     return json.dumps({"args": list(args or ()), "kwargs": dict(kwargs or {}),
                        "options": dict(options or {})}, sort_keys=True, default=str)
 
@@ -66,8 +68,8 @@ def static_entries(app: Any) -> list[Entry]:
     out = []
     for name, spec in (app.conf.beat_schedule or {}).items():
         schedule = _as_schedule(spec["schedule"])
-        out.append(Entry(name, spec["task"], _payload(spec.get("args"), spec.get("kwargs"),
-                                                      spec.get("options")),
+        out.append(Entry(name, spec["task"], payload(spec.get("args"), spec.get("kwargs"),
+                                                     spec.get("options")),
                          next_due_function(schedule)))
     return out
 
@@ -92,31 +94,57 @@ def dynamic_entries(rows: list[ScheduleRow]) -> list[Entry]:
             continue
         try:
             schedule = schedule_from_row(row.kind, json.loads(row.spec))
-            payload = _payload(json.loads(row.args), json.loads(row.kwargs),
-                               json.loads(row.options))
+            spec = payload(json.loads(row.args), json.loads(row.kwargs),
+                           json.loads(row.options))
         except Exception as exc:  # a bad row never takes the scheduler down
             logger.error("pulse: skipping malformed schedule entry %r: %s", row.name, exc)
             continue
-        out.append(Entry(row.name, row.task, payload, next_due_function(schedule)))
+        out.append(Entry(row.name, row.task, spec, next_due_function(schedule)))
     return out
 
 
 class EntrySource:
-    """Static + dynamic entries; dynamic ones re-read on every call (one query)."""
+    """Static, dynamic and django-celery-beat entries (a name appears once, in that
+    order of precedence); all but the static ones re-read on every call."""
 
     def __init__(self, app: Any, store: Any) -> None:
         self.static = static_entries(app)
         self.store = store
+        self.database: Any = None
+        if uses_database_scheduler(app):
+            from celery_pulse.contrib.django.beat import DatabaseEntries
+
+            self.database = DatabaseEntries(payload, next_due_function)
 
     def __call__(self) -> list[Entry]:
-        names = {e.name for e in self.static}
-        dynamic = [e for e in dynamic_entries(self.store.list_schedule()) if e.name not in names]
-        return self.static + dynamic
+        entries = list(self.static)
+        names = {e.name for e in entries}
+        more = dynamic_entries(self.store.list_schedule())
+        if self.database is not None:
+            more += self.database()
+        for entry in more:
+            if entry.name not in names:
+                names.add(entry.name)
+                entries.append(entry)
+        return entries
+
+    def published(self, slot: Slot) -> None:
+        """After a slot went out: its source's bookkeeping (django-celery-beat's row)."""
+        if self.database is not None:
+            self.database.published(slot)
 
 
-def publisher(app: Any) -> Any:
+def uses_database_scheduler(app: Any) -> bool:
+    """Whether ``beat_scheduler`` is django-celery-beat's ``DatabaseScheduler``."""
+    from celery_pulse.contrib.django.beat import uses_database_scheduler as uses
+
+    return uses(app)
+
+
+def publisher(app: Any, after: Any = None) -> Any:
     """Publish a slot under its own task id and publication: a slot re-published by the
-    next leader (its first publish not marked) is a duplicate of the first, not a new run."""
+    next leader (its first publish not marked) is a duplicate of the first, not a new run.
+    ``after(slot)``: called once it went out (a source's bookkeeping)."""
     def publish(slot: Slot) -> None:
         spec = json.loads(slot.payload)
         options = dict(spec["options"])
@@ -124,4 +152,6 @@ def publisher(app: Any) -> Any:
                               FIXED_PUBLICATION_HEADER: f"slot:{slot.task_id}"[:64]}
         app.send_task(slot.task, args=spec["args"], kwargs=spec["kwargs"], task_id=slot.task_id,
                       **options)
+        if after is not None:
+            after(slot)
     return publish

@@ -113,9 +113,10 @@ class PulseWorker:
                 store, BEAT_KEY, hostname, ttl=settings.leader_ttl,
                 interval=settings.leader_interval, margin=settings.leader_margin,
                 on_gained=self._on_gained, on_lost=self._on_lost_leadership)
-            self.beat = Beat(store, self.elector, entries=EntrySource(app, store),
-                             publish=publisher(app), catchup=settings.beat_catchup,
-                             now=store.now)
+            source = EntrySource(app, store)
+            self.beat = Beat(store, self.elector, entries=source,
+                             publish=publisher(app, source.published),
+                             catchup=settings.beat_catchup, now=store.now)
         #: The cluster's figures for Prometheus, and the election that picks the worker
         #: reading them when beat is off (:meth:`serve_metrics`).
         self.cluster: ClusterReader | None = None

@@ -2,6 +2,7 @@
 
 import os
 import time
+from typing import Any
 
 from celery import shared_task
 from django.db import connection
@@ -26,3 +27,16 @@ def charge(order: str, folder: str | None = None) -> int:
     with lease.fenced(connection):
         Charge.objects.create(order=order, task_id=lease.task_id, epoch=lease.epoch)
     return lease.epoch
+
+
+@shared_task(bind=True)
+def tick(self: Any, path: str) -> str:
+    """A periodic task of django-celery-beat's: records each run with one O_APPEND write
+    (task id, worker, pid, time), so a test can count the runs of every slot."""
+    line = f"{self.request.id} {self.request.hostname} {os.getpid()} {time.time():.6f}\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+    return str(self.request.id)

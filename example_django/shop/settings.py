@@ -24,6 +24,8 @@ INSTALLED_APPS = [
     # pulse: its schema with manage.py migrate, its admin pages, manage.py pulse, and
     # lease.fenced(django.db.connection).
     "celery_pulse.contrib.django",
+    # Schedules edited in the admin; pulse's leader-elected beat reads them (no celery beat).
+    "django_celery_beat",
     "example_django.orders",
 ]
 MIDDLEWARE = [
@@ -70,3 +72,7 @@ CELERY_PULSE_DATABASE = os.environ.get("SHOP_PULSE_DATABASE", "default")
 CELERY_PULSE_LEASE_TTL = float(os.environ.get("SHOP_LEASE_TTL", "30"))
 CELERY_PULSE_RECOVER_INTERVAL = float(os.environ.get("SHOP_RECOVER_INTERVAL", "2"))
 CELERY_TASK_ALWAYS_EAGER = os.environ.get("SHOP_EAGER") == "1"
+# django-celery-beat's schedules, fired by pulse's leader-elected beat inside the workers.
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_PULSE_LEADER_TTL = float(os.environ.get("SHOP_LEADER_TTL", "15"))
+CELERY_PULSE_BEAT_CATCHUP = os.environ.get("SHOP_BEAT_CATCHUP", "latest")

@@ -12,10 +12,12 @@ resumed: its fenced write must never land.
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,19 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_pulse.contrib.services import Schema
+from tests.acceptance.test_beat import (
+    View,
+    assert_contiguous,
+    assert_each_ran_once,
+    assert_slots_well_formed,
+    wait_more_slots,
+    wait_new_term,
+)
 from tests.helpers import services
 from tests.helpers.workers import ROOT, Env, Worker, wait_for
 
 TASK = "example_django.orders.tasks.charge"
+TICK = "example_django.orders.tasks.tick"
 
 
 class Shop:
@@ -38,7 +49,8 @@ class Shop:
                  database: dict[str, str]) -> None:
         self.tmp, self.queue, self.broker, self.store_url = tmp, queue, broker, store_url
         self.vars = {"SHOP_QUEUE": queue, "SHOP_BROKER_URL": broker, "SHOP_LEASE_TTL": "3",
-                     "SHOP_RECOVER_INTERVAL": "0.5", **database}
+                     "SHOP_RECOVER_INTERVAL": "0.5", "SHOP_LEADER_TTL": "3",
+                     "SHOP_BEAT_CATCHUP": "all", **database}
         self.env = Env(store_url, broker, queue, tmp, app="example_django.shop")
 
     def run(self, *argv: str, extra: dict[str, str] | None = None
@@ -46,6 +58,14 @@ class Shop:
         variables = {**self.env.vars(), **self.vars, **(extra or {})}
         return subprocess.run([sys.executable, *argv], env=variables, cwd=self.tmp,
                               capture_output=True, text=True, timeout=120)
+
+    def django(self, code: str) -> str:
+        """Run ``code`` in ``manage.py shell`` (the ORM, as the admin saves a model): its
+        output."""
+        ran = self.run(str(ROOT / "example_django" / "manage.py"), "shell", "-v", "0", "-c",
+                       code)
+        assert ran.returncode == 0, ran.stderr
+        return ran.stdout
 
     def charges(self, order: str) -> list[int]:
         """The epochs of the charges written for ``order``, read by the test itself."""
@@ -153,6 +173,72 @@ def test_the_admin_shows_pulse_and_its_review_actions_obey_djangos_permissions(
     assert seen["decided-by"] == "boss"
     assert seen["viewer-sees"] == "200 True"
     assert seen["viewer-acted"].endswith(" needs_review")  # not allowed: unchanged
+
+
+def test_django_celery_beat_schedules_fire_each_slot_once_across_leader_kills_and_edits(
+        shop: Shop, shop_worker: Callable[[str], Worker]) -> None:
+    """django-celery-beat's DatabaseScheduler, read by pulse's leader-elected beat in three
+    workers (no celery beat): a 1 s interval task, saved through the ORM as the admin does.
+    The leader is SIGKILLed twice; every period gets one slot and each slot runs once.
+    Then the admin edits the interval to 3 s: the slots after the edit (within one tick)
+    are 3 s apart. django-celery-beat's own bookkeeping (last run, run count) follows."""
+    ticks = shop.tmp / "ticks.log"
+    shop.django(
+        "import json\n"
+        "from django_celery_beat.models import IntervalSchedule, PeriodicTask\n"
+        "every = IntervalSchedule.objects.create(every=1, period='seconds')\n"
+        f"PeriodicTask.objects.create(name='tick', task='{TICK}', interval=every, "
+        f"args=json.dumps([{str(ticks)!r}]))\n")
+    nodes = {name: shop_worker(f"{name}@test") for name in ("d1", "d2", "d3")}
+    view = View(shop.store_url)
+    try:
+        wait_for(view.live_leader, 15, "a leader")
+        wait_more_slots(view, 2)
+        for _ in range(2):
+            wait_more_slots(view, 3)
+            old = view.live_leader()
+            assert old is not None
+            nodes[old.holder.split("@")[0]].kill()
+            assert wait_new_term(view, old, 20).holder != old.holder
+        wait_more_slots(view, 3)
+        shop.django("from django_celery_beat.models import IntervalSchedule\n"
+                    "every = IntervalSchedule.objects.get()\n"
+                    "every.every = 3\n"
+                    "every.save()\n")
+        edited = time.time()
+        rows = wait_for(lambda: len(r := [s for s in view.slots("tick")
+                                          if s.created_at > edited + 1.5]) >= 3 and r,
+                        30, "three slots after the edit")
+        spacing = [b.due_at - a.due_at for a, b in itertools.pairwise(rows)]
+        assert all(abs(gap - 3.0) < 0.01 for gap in spacing), spacing
+        slots = view.slots("tick")
+        assert_slots_well_formed(slots)
+        assert len({s.task_id for s in slots}) == len(slots)
+        before = [s for s in slots if s.created_at <= edited]
+        assert_contiguous(before, 1.0)
+        assert_each_ran_once(view, ticks, slots, lost_ok=2)
+        count = shop.django("from django_celery_beat.models import PeriodicTask\n"
+                            "task = PeriodicTask.objects.get(name='tick')\n"
+                            "print(task.total_run_count, task.last_run_at is not None)\n")
+        runs, last_run = count.split()
+        assert int(runs) >= len(slots) - 2 and last_run == "True"
+    finally:
+        view.store.close()
+
+
+def test_every_kind_of_django_celery_beat_schedule_becomes_a_beat_entry(shop: Shop) -> None:
+    """Interval (its options and headers kept), crontab, clocked (once, at its time);
+    disabled and spent one-off rows left out; start_time holding slots back. (Solar
+    schedules are Celery's own arithmetic too, and need celery[solar].)"""
+    ran = shop.run(str(ROOT / "tests" / "apps" / "django_beat_probe.py"),
+                   extra={"DJANGO_SETTINGS_MODULE": "example_django.shop.settings"})
+    assert ran.returncode == 0, ran.stderr
+    seen = {line.split()[0]: line.split()[1:] for line in ran.stdout.splitlines()}
+    assert set(seen) == {"interval", "crontab", "clocked", "later"}
+    assert seen["interval"] == ["90.000", "True"]
+    assert seen["crontab"] == ["870.000", "False"]  # 10:00:30 -> 10:15:00
+    assert seen["clocked"][0] == "100.000"
+    assert seen["later"][0] == "3600.000"  # at its start_time, an hour on
 
 
 def _schema(url: str) -> dict[str, Any]:
