@@ -1,6 +1,7 @@
 """The example shop's settings. The database comes from ``SHOP_DATABASE_URL``
 (``postgres://user:password@host:5432/name``, with ``?search_path=schema`` if the tables
-live in a schema of their own) or is a SQLite file beside the project."""
+live in a schema of their own; ``mysql://user:password@host:3306/name`` for MySQL or
+MariaDB) or is a SQLite file beside the project."""
 
 import os
 from pathlib import Path
@@ -53,7 +54,8 @@ def _database(url: str | None) -> dict:
                 "NAME": os.environ.get("SHOP_SQLITE", str(BASE_DIR / "shop.sqlite3"))}
     parts = urlsplit(url)
     query = parse_qs(parts.query)
-    database = {"ENGINE": "django.db.backends.postgresql", "NAME": parts.path.lstrip("/"),
+    engine = "mysql" if parts.scheme.startswith(("mysql", "mariadb")) else "postgresql"
+    database = {"ENGINE": f"django.db.backends.{engine}", "NAME": parts.path.lstrip("/"),
                 "USER": unquote(parts.username or ""), "PASSWORD": unquote(parts.password or ""),
                 "HOST": parts.hostname or "", "PORT": str(parts.port or "")}
     if "search_path" in query:
