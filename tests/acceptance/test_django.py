@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -336,3 +339,78 @@ def test_an_eager_task_gets_an_in_process_lease_and_its_fenced_write_commits(
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["0"]  # the in-process lease's epoch
     assert shop.charges("order-3") == [0]
+
+
+@pytest.mark.parametrize("shop", ["sqlite"], indirect=True)
+def test_the_admin_in_a_real_browser_retries_a_task_in_review(shop: Shop) -> None:
+    """Headless Chromium on Django's own server (``runserver``): log in, open the review
+    queue, select a task, run "retry"; the store has it re-opened. Screenshots of the
+    claims and the review queue go to test-artifacts/ (and docs/img with
+    ``PULSE_DOCS_SCREENSHOTS=1``)."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        if services.IN_CI:
+            pytest.fail("chromium is not installed (CI=true: .ci/run installs it)")
+        pytest.skip("chromium is not installed")
+    from playwright.sync_api import expect, sync_playwright
+
+    variables = {"DJANGO_SETTINGS_MODULE": "example_django.shop.settings"}
+    seeded = shop.run(str(ROOT / "tests" / "apps" / "django_admin_probe.py"), "--seed",
+                      extra=variables)
+    assert seeded.returncode == 0, seeded.stderr
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "example_django" / "manage.py"), "runserver",
+         "--noreload", "--insecure", f"127.0.0.1:{port}"],
+        env={**shop.env.vars(), **shop.vars, **variables}, cwd=shop.tmp,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    shots = [ROOT / "test-artifacts"] + ([ROOT / "docs" / "img"]
+                                         if os.environ.get("PULSE_DOCS_SCREENSHOTS") else [])
+    try:
+        wait_for(lambda: _answers(port), 30, "Django's server to answer")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=[
+                "--no-sandbox", "--disable-gpu", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update"])
+            page = browser.new_page(viewport={"width": 1600, "height": 720})
+            page.goto(f"http://localhost:{port}/admin/login/?next=/admin/celery_pulse/claim/")
+            page.fill("#id_username", "boss")
+            page.fill("#id_password", "pw")
+            page.click("input[type=submit]")
+            expect(page.locator("#result_list")).to_contain_text("t-review1")
+            for folder in shots:
+                folder.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(folder / "django-admin-claims.png"), full_page=True)
+            page.goto(f"http://localhost:{port}/admin/celery_pulse/reviewitem/")
+            page.check("input[name=_selected_action][value=t-review1]")
+            page.select_option("select[name=action]", "retry")
+            page.click("button[name=index]")
+            expect(page.locator("ul.messagelist")).to_contain_text("1 task(s) retried.")
+            for folder in shots:
+                page.screenshot(path=str(folder / "django-admin-review.png"), full_page=True)
+            browser.close()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(10)
+    store = sa.create_engine(shop.store_url)
+    try:
+        with store.connect() as conn:
+            state = conn.execute(sa.text("SELECT state FROM pulse_claims WHERE task_id = "
+                                         "'t-review1'")).scalar_one()
+    finally:
+        store.dispose()
+    assert state == "open"  # re-opened, its message published again
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
