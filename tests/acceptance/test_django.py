@@ -194,16 +194,21 @@ def test_the_admin_shows_pulse_and_its_review_actions_obey_djangos_permissions(
 def test_django_celery_beat_schedules_fire_each_slot_once_across_leader_kills_and_edits(
         shop: Shop, shop_worker: Callable[[str], Worker]) -> None:
     """django-celery-beat's DatabaseScheduler, read by pulse's leader-elected beat in three
-    workers (no celery beat): a 1 s interval task, saved through the ORM as the admin does.
-    The leader is SIGKILLed twice; every period gets one slot and each slot runs once.
+    workers (no celery beat): a 1 s interval task and an every-minute crontab task, saved
+    through the ORM as the admin does. The leader is SIGKILLed twice; every period gets
+    one slot and each slot (the crontab's too) runs once.
     Then the admin edits the interval to 3 s: the slots after the edit (within one tick)
     are 3 s apart. django-celery-beat's own bookkeeping (last run, run count) follows."""
     ticks = shop.tmp / "ticks.log"
     shop.django(
         "import json\n"
         "from django_celery_beat.models import IntervalSchedule, PeriodicTask\n"
+        "from django_celery_beat.models import CrontabSchedule\n"
         "every = IntervalSchedule.objects.create(every=1, period='seconds')\n"
         f"PeriodicTask.objects.create(name='tick', task='{TICK}', interval=every, "
+        f"args=json.dumps([{str(ticks)!r}]))\n"
+        "minutely = CrontabSchedule.objects.create(minute='*', timezone='UTC')\n"
+        f"PeriodicTask.objects.create(name='minutely', task='{TICK}', crontab=minutely, "
         f"args=json.dumps([{str(ticks)!r}]))\n")
     nodes = {name: shop_worker(f"{name}@test") for name in ("d1", "d2", "d3")}
     view = View(shop.store_url)
@@ -232,7 +237,10 @@ def test_django_celery_beat_schedules_fire_each_slot_once_across_leader_kills_an
         assert len({s.task_id for s in slots}) == len(slots)
         before = [s for s in slots if s.created_at <= edited]
         assert_contiguous(before, 1.0)
-        assert_each_ran_once(view, ticks, slots, lost_ok=2)
+        minutely = wait_for(lambda: view.slots("minutely"), 70, "the crontab's first slot")
+        assert all(s.due_at % 60 == 0 for s in minutely)  # on the minute, UTC
+        assert len({s.task_id for s in minutely}) == len(minutely)
+        assert_each_ran_once(view, ticks, view.slots(), lost_ok=2)
         count = shop.django("from django_celery_beat.models import PeriodicTask\n"
                             "task = PeriodicTask.objects.get(name='tick')\n"
                             "print(task.total_run_count, task.last_run_at is not None)\n")
@@ -255,6 +263,17 @@ def test_every_kind_of_django_celery_beat_schedule_becomes_a_beat_entry(shop: Sh
     assert seen["crontab"] == ["870.000", "False"]  # 10:00:30 -> 10:15:00
     assert seen["clocked"][0] == "100.000"
     assert seen["later"][0] == "3600.000"  # at its start_time, an hour on
+
+
+@pytest.mark.parametrize("shop", ["sqlite"], indirect=True)
+def test_djangos_test_runner_runs_a_projects_eager_task_tests(shop: Shop) -> None:
+    """``manage.py test`` (Django's TestCase: every test in a transaction) with eager
+    tasks: the fenced write nests as a savepoint under the in-process lease."""
+    ran = shop.run(str(ROOT / "example_django" / "manage.py"), "test", "example_django.orders",
+                   "-v", "2", extra={"SHOP_EAGER": "1"})
+    assert ran.returncode == 0, ran.stderr
+    assert "test_an_eager_charge_is_written_once_under_the_in_process_lease" in ran.stderr
+    assert "Ran 1 test" in ran.stderr and "\nOK\n" in ran.stderr
 
 
 def _schema(url: str) -> dict[str, Any]:

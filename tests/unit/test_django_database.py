@@ -45,6 +45,14 @@ def test_sqlite_is_its_absolute_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert url == f"sqlite:///{tmp_path.resolve() / 'db.sqlite3'}"
 
 
+def test_djangos_in_memory_test_database_is_opened_in_process() -> None:
+    """Django's test runner makes a shared in-memory SQLite database: pulse's engine
+    opens the same one in the test process."""
+    url = url_of("default", {"ENGINE": "django.db.backends.sqlite3",
+                             "NAME": "file:memorydb_default?mode=memory&cache=shared"})
+    assert url == "sqlite:///file:memorydb_default?mode=memory&cache=shared&uri=true"
+
+
 @pytest.mark.parametrize(("database", "said"), [
     ({"ENGINE": "django.db.backends.oracle", "NAME": "x"}, "'django.db.backends.oracle'"),
     ({"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}, "not a SQLite file"),

@@ -63,6 +63,11 @@ def url_of(alias: str, database: dict[str, Any]) -> str:
     options = dict(database.get("OPTIONS") or {})
     name = database.get("NAME")
     if family == "sqlite":
+        if str(name).startswith("file:") and "mode=memory" in str(name) \
+                and "cache=shared" in str(name):
+            # Django's test database: shared in-memory, reachable from this process only
+            # (its test runner's eager tasks, the pulse:// backend, migrate).
+            return f"sqlite:///{name}&uri=true"
         if not name or str(name) == ":memory:" or str(name).startswith("file:"):
             raise InvalidConfig(f"pulse_database: DATABASES[{alias!r}] is not a SQLite file "
                                 f"the worker's processes can share ({name!r})",
