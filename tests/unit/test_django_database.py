@@ -72,3 +72,17 @@ def test_an_explicit_store_url_wins_over_pulse_database() -> None:
                                    "pulse_store_url": "sqlite:////tmp/explicit.db"})
     assert settings.store_url == "sqlite:////tmp/explicit.db"
     assert settings.database == "default"
+
+
+def test_pulse_database_without_djangos_settings_says_so(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """A worker started without DJANGO_SETTINGS_MODULE: the setting is named, not
+    Django's ImproperlyConfigured."""
+    from django.conf import settings
+
+    assert not settings.configured  # Django runs in the tests' subprocesses only
+    monkeypatch.delenv("DJANGO_SETTINGS_MODULE", raising=False)
+    with pytest.raises(InvalidConfig) as refused:
+        Settings.from_conf({"pulse_database": "default"})
+    assert refused.value.setting == "pulse_database"
+    assert "DJANGO_SETTINGS_MODULE" in str(refused.value)

@@ -29,6 +29,9 @@ from celery_pulse.errors import NotFound, PulseError
 
 _store_lock = threading.Lock()
 _store: Any = None
+#: The store's clock as read for the page being drawn (per thread: a server may draw
+#: several pages at once).
+_page = threading.local()
 
 
 def _app_and_settings() -> tuple[Any, Any]:
@@ -49,6 +52,11 @@ def pulse_store() -> Any:
 
             _store = open_store(_app_and_settings()[1].store_url)
         return _store
+
+
+def _now(default: float) -> float:
+    """The store's clock read for this page (``default`` outside a list page)."""
+    return float(getattr(_page, "now", default))
 
 
 def _when(seconds: float | None) -> str:
@@ -74,7 +82,7 @@ class PulseAdmin(admin.ModelAdmin):
         return False
 
     def changelist_view(self, request: Any, extra_context: Any = None) -> Any:
-        self.now = pulse_store().now()  # the store's clock, once per page
+        _page.now = pulse_store().now()  # the store's clock, once per page
         return super().changelist_view(request, extra_context)
 
     def get_readonly_fields(self, request: Any, obj: Any = None) -> Any:
@@ -93,7 +101,7 @@ class ClaimAdmin(PulseAdmin):
     def lease_remaining(self, claim: Claim) -> str:
         if claim.lease_until is None or claim.state not in ("reserved", "running"):
             return "—"
-        return f"{claim.lease_until - getattr(self, 'now', claim.lease_until):.1f} s"
+        return f"{claim.lease_until - _now(claim.lease_until):.1f} s"
 
     @admin.display(description="created", ordering="created_at")
     def created(self, claim: Claim) -> str:
@@ -166,7 +174,7 @@ class WorkerAdmin(PulseAdmin):
 
     @admin.display(boolean=True, description="alive")
     def alive(self, worker: Worker) -> bool:
-        return worker.expires_at > getattr(self, "now", worker.expires_at)
+        return worker.expires_at > _now(worker.expires_at)
 
     @admin.display(description="last heartbeat", ordering="last_heartbeat")
     def heartbeat(self, worker: Worker) -> str:
@@ -183,7 +191,7 @@ class LeaderAdmin(PulseAdmin):
 
     @admin.display(description="lease remaining")
     def lease_remaining(self, leader: Leader) -> str:
-        return f"{leader.lease_until - getattr(self, 'now', leader.lease_until):.1f} s"
+        return f"{leader.lease_until - _now(leader.lease_until):.1f} s"
 
     @admin.display(description="since", ordering="acquired_at")
     def since(self, leader: Leader) -> str:

@@ -52,7 +52,12 @@ class DatabaseEntries:
         self.payload, self.next_due = payload, next_due
 
     def __call__(self) -> list[Entry]:
+        import django
+        from django.apps import apps
         from django.db import close_old_connections
+
+        if not apps.ready:  # `celery pulse beat`: Celery's Django fixup may not have run
+            django.setup()
         from django_celery_beat.models import PeriodicTask
 
         close_old_connections()  # the beat's thread: a connection the server dropped

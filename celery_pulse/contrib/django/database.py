@@ -42,9 +42,18 @@ SETTING = "pulse_database"
 def store_url(alias: str) -> str:
     """The store URL of the Django database ``alias`` (``InvalidConfig`` naming
     ``pulse_database`` for an alias that doesn't exist or an engine pulse can't use)."""
-    from django.conf import settings
-
-    databases = getattr(settings, "DATABASES", None) or {}
+    try:
+        from django.conf import settings
+        from django.core.exceptions import ImproperlyConfigured
+    except ImportError:
+        raise InvalidConfig("pulse_database names a Django database, and Django is not "
+                            "installed (pip install 'celery-pulse-leases[django]')",
+                            setting=SETTING) from None
+    try:
+        databases = getattr(settings, "DATABASES", None) or {}
+    except ImproperlyConfigured as exc:
+        raise InvalidConfig(f"pulse_database: Django's settings are not configured "
+                            f"(DJANGO_SETTINGS_MODULE): {exc}", setting=SETTING) from None
     if alias not in databases:
         raise InvalidConfig(f"pulse_database: {alias!r} is not in Django's DATABASES "
                             f"({', '.join(map(repr, databases)) or 'none defined'})",
