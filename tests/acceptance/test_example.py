@@ -285,7 +285,9 @@ def test_every_documented_rule_is_enforced() -> None:
 
 
 def python_samples() -> list[Any]:
-    """Every ```python block of the docs and README that is not a pytest doc-test file."""
+    """Every ```python block of the docs and README that is not a pytest doc-test file,
+    with its kind: ``script`` (self-contained) or ``django`` (a module of a Django project,
+    marked ``<!-- doc-test: django proj/module.py -->``)."""
     samples = []
     for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
         text = page.read_text()
@@ -293,15 +295,24 @@ def python_samples() -> list[Any]:
             if m.group(2) in ("pytest", "file"):
                 continue  # run by tests/integration/test_testing_helpers.py
             where = f"{page.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}"
-            samples.append(pytest.param(where, m.group(3), id=where))
+            samples.append(pytest.param(where, m.group(2) or "script", m.group(3), id=where))
     return samples
 
 
-@pytest.mark.parametrize(("where", "code"), python_samples())
-def test_python_sample_runs(where: str, code: str, tmp_path: Path) -> None:
-    """Each sample runs as a script (samples are self-contained, and connect to nothing)."""
+@pytest.mark.parametrize(("where", "kind", "code"), python_samples())
+def test_python_sample_runs(where: str, kind: str, code: str, tmp_path: Path) -> None:
+    """Each sample runs as a script (samples are self-contained, and connect to nothing).
+    A Django project's module runs in the example project (example_django/, on a SQLite
+    file of the test's own), Django set up first and its app's relative imports made
+    the example app's."""
+    env = base_env()
+    if kind == "django":
+        code = "import django\ndjango.setup()\n" + code.replace(
+            "from .models import", "from example_django.orders.models import")
+        env.update(DJANGO_SETTINGS_MODULE="example_django.shop.settings",
+                   SHOP_SQLITE=str(tmp_path / "shop.sqlite3"))
     (tmp_path / "sample.py").write_text(code)
-    rc, out, _ = run_bounded([sys.executable, "sample.py"], tmp_path, base_env(), timeout=120)
+    rc, out, _ = run_bounded([sys.executable, "sample.py"], tmp_path, env, timeout=120)
     assert rc == 0, f"{where}:\n{out[-4000:]}"
 
 
