@@ -130,7 +130,7 @@ class Channel(virtual.Channel):
         """Kept for the running task's finish (:func:`kept`), never routed here."""
         publication = kept(message, exchange, routing_key)
         carried = sum(len(json.dumps(p, separators=(",", ":")))
-                      for p in deferral.published or ())
+                      for p in [*(deferral.published or ()), publication])
         if carried > PUBLISHED_LIMIT:
             raise NoPublishing(f"this task's publications are over the {PUBLISHED_LIMIT} "
                                f"bytes a gateway worker's finish carries")
