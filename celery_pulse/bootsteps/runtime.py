@@ -83,10 +83,6 @@ def _gateway_store(w: Any, settings: Settings) -> tuple[Settings, Any]:
     if len(queues) != 1:
         raise InvalidConfig(f"pulse_gateway_url: a gateway worker consumes exactly one queue "
                             f"(-Q NAME), not {queues}", setting="pulse_gateway_url")
-    if settings.concurrency_limits or any(getattr(t, "pulse_concurrency", None)
-                                          for t in w.app.tasks.values()):
-        raise InvalidConfig("pulse_gateway_url: concurrency limits need a direct worker",
-                            setting="pulse_gateway_url")
     multiplier = int(w.app.conf.worker_prefetch_multiplier or 0)
     capacity = min(256, max(1, w.concurrency * multiplier if multiplier > 0 else w.concurrency))
     handlers = [name for name in w.app.tasks if not name.startswith("celery.")]

@@ -84,7 +84,8 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                           app=ctx.obj.app, on_lost=settings.on_lost,
                           max_attempts=settings.max_attempts,
                           events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3),
-                          state=store.gateway_state, allowed_origins=allowed_origins)
+                          state=store.gateway_state, allowed_origins=allowed_origins,
+                          concurrency_limits=settings.concurrency_limits)
         # Recover runs here too: a cluster of gateway workers alone still has its expired
         # claims taken over (retention stays with the direct workers' leader).
         recoverer = Recoverer(

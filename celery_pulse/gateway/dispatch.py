@@ -55,6 +55,7 @@ from celery_pulse.store.base import (
     SUCCEEDED,
     Completion,
     Grant,
+    Permit,
     Refusal,
     ReserveRequest,
     ResultRecord,
@@ -67,6 +68,9 @@ logger = logging.getLogger(__name__)
 #: How long a delivery an instance has no room for waits for a slot before it goes back
 #: to the broker (a busy instance frees one within milliseconds; a full one gives it up).
 HOLD_FOR = 1.0
+
+#: A start's answer when a permit it needs is not free (still reserved, not started).
+WAITING = "WAITING"
 
 #: The protocol's outcomes, as claim outcomes.
 OUTCOMES = {"SUCCEEDED": SUCCEEDED, "FAILED": FAILED, "UNKNOWN": NEEDS_REVIEW}
@@ -302,6 +306,8 @@ class Step:
 
     attempt: Attempt
     build: Callable[[], tuple[Completion, bool]] | None = None
+    #: A start's concurrency permits (:mod:`.permits`): it may be answered :data:`WAITING`.
+    permits: tuple[Permit, ...] = ()
 
 
 class Fenced:
@@ -313,7 +319,8 @@ class Fenced:
 
     def round(self, steps: Sequence[Step]) -> list[Any]:
         """Starts and finishes in one exchange. Per step, in order: a start's new
-        lease_until, or None (the attempt may not start: lost, taken, ended); a finish's
+        lease_until, :data:`WAITING` (no free permit: still reserved, lease unchanged), or
+        None (the attempt may not start: lost, taken, ended); a finish's
         ``(answer, carried)``: ``applied``, ``duplicate`` or ``evidence`` (a stale attempt's
         outcome, kept, not applied), and whether its completion carried the result; or
         the error that is that step's answer."""
@@ -333,13 +340,17 @@ class Fenced:
                   if s.build is None]
         if not completions and not starts:
             return answers
-        done = self.store.exchange(self.holder, self.lease_ttl, completions, [], starts)
+        permits = {s.attempt.task_id: s.permits for s in steps
+                   if s.build is None and s.permits}
+        done = self.store.exchange(self.holder, self.lease_ttl, completions, [], starts,
+                                   permits or None)
         for i, carried in finishing:
             answer = done.completed.get(steps[i].attempt.task_id, "evidence")
             answers[i] = answer if isinstance(answer, BaseException) else (answer, carried)
         for i, step in enumerate(steps):
             if step.build is None:
-                answers[i] = done.started.get(step.attempt.task_id)
+                task_id = step.attempt.task_id
+                answers[i] = WAITING if task_id in done.waiting else done.started.get(task_id)
         return answers
 
     def renew(self, attempt: Attempt) -> bool | None:

@@ -74,8 +74,11 @@ from celery_pulse.gateway.protocol import (
     Finish,
     Frame,
     Hello,
+    PermitAsk,
     ProtocolError,
+    Start,
 )
+from celery_pulse.gateway.refs import read_ref, read_start, wire_ref
 from celery_pulse.gateway.wire import (
     ID_FORM,
     boolean,
@@ -98,7 +101,8 @@ __all__ = [
     "MAX_CAPACITY", "MAX_DEPTH", "MAX_ERROR_MESSAGE", "MAX_FRAME_BYTES", "MAX_LABEL",
     "MAX_QUEUE_ID", "MAX_RESULT_BYTES", "OUTCOMES", "PROTOCOL_VERSION", "SERVER_TYPES",
     "SUBPROTOCOL", "SUCCEEDED", "UNKNOWN", "AttemptRef", "Body", "Capability", "CapacityUpdate",
-    "Code", "ErrorInfo", "Finish", "Frame", "Hello", "ProtocolError", "ack", "canonical",
+    "Code", "ErrorInfo", "Finish", "Frame", "Hello", "PermitAsk", "ProtocolError", "Start",
+    "ack", "canonical",
     "decode_client", "decode_server", "encode", "error_frame", "new_id",
 ]
 
@@ -107,14 +111,12 @@ _CLIENT_ENVELOPE = frozenset({"protocol_version", "type", "message_id", "session
 _SERVER_ENVELOPE = _CLIENT_ENVELOPE | {"reply_to", "error"}
 
 _SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
-_LEASE_SECRET = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 _ERROR_CODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _WHITESPACE = re.compile(r"\s")
 
 
 _HELLO_FIELDS = frozenset({"instance_id", "instance_secret", "queue_id", "capabilities", "capacity"})
 _CAPABILITY_FIELDS = frozenset({"handler", "handler_version", "payload_version"})
-_REF_FIELDS = frozenset({"task_id", "attempt_id", "epoch", "lease_secret"})
 _CAPACITY_FIELDS = frozenset({"sequence", "capacity", "drain"})
 _FINISH_FIELDS = frozenset({"ref", "outcome", "result"})
 _FINISH_OPTIONAL = frozenset({"error_code"})
@@ -160,17 +162,6 @@ def _hello(obj: Any, path: str) -> Hello:
                  capacity=integer(body, "capacity", path, 1, MAX_CAPACITY))
 
 
-def _ref(obj: Any, path: str) -> AttemptRef:
-    body = exact(obj, path, _REF_FIELDS)
-    lease_secret = string(body, "lease_secret", path)
-    if not _LEASE_SECRET.fullmatch(lease_secret):
-        invalid(f"{path}.lease_secret must be 1 to 128 URL-safe characters")
-    return AttemptRef(task_id=identifier(body["task_id"], f"{path}.task_id"),
-                      attempt_id=identifier(body["attempt_id"], f"{path}.attempt_id"),
-                      epoch=decimal(body, "epoch", path),
-                      lease_secret=lease_secret)
-
-
 def _capacity(obj: Any, path: str) -> CapacityUpdate:
     body = exact(obj, path, _CAPACITY_FIELDS)
     return CapacityUpdate(sequence=decimal(body, "sequence", path),
@@ -181,7 +172,7 @@ def _capacity(obj: Any, path: str) -> CapacityUpdate:
 
 def _finish(obj: Any, path: str) -> Finish:
     body = exact(obj, path, _FINISH_FIELDS, _FINISH_OPTIONAL)
-    ref = _ref(body["ref"], f"{path}.ref")
+    ref = read_ref(body["ref"], f"{path}.ref")
     outcome = string(body, "outcome", path)
     if outcome not in OUTCOMES:
         invalid(f"{path}.outcome must be one of {', '.join(sorted(OUTCOMES))}")
@@ -203,7 +194,7 @@ def _finish(obj: Any, path: str) -> Finish:
 
 
 _BODY_READERS: Mapping[type[Body], Callable[[Any, str], Body]] = MappingProxyType({
-    Hello: _hello, AttemptRef: _ref, CapacityUpdate: _capacity, Finish: _finish,
+    Hello: _hello, AttemptRef: read_ref, Start: read_start, CapacityUpdate: _capacity, Finish: _finish,
 })
 
 
@@ -301,11 +292,6 @@ def decode_server(data: str | bytes) -> Frame:
 # -- encoding --------------------------------------------------------------------------
 
 
-def _wire_ref(ref: AttemptRef) -> dict[str, Any]:
-    return {"task_id": ref.task_id, "attempt_id": ref.attempt_id, "epoch": str(ref.epoch),
-            "lease_secret": ref.lease_secret}
-
-
 def _wire_body(body: Any) -> Any:
     """A body in its wire form: records rendered (ints as decimal strings), dicts as they are."""
     if isinstance(body, Hello):
@@ -317,11 +303,11 @@ def _wire_body(body: Any) -> Any:
                                   "payload_version": c.payload_version} for c in capabilities],
                 "capacity": body.capacity}
     if isinstance(body, AttemptRef):
-        return _wire_ref(body)
+        return wire_ref(body)
     if isinstance(body, CapacityUpdate):
         return {"sequence": str(body.sequence), "capacity": body.capacity, "drain": body.drain}
     if isinstance(body, Finish):
-        wire = {"ref": _wire_ref(body.ref), "outcome": body.outcome, "result": body.result}
+        wire = {"ref": wire_ref(body.ref), "outcome": body.outcome, "result": body.result}
         if body.error_code is not None:
             wire["error_code"] = body.error_code
         return wire

@@ -30,12 +30,13 @@ from celery_pulse.gateway import frames
 from celery_pulse.gateway.clock import StoreClock
 from celery_pulse.gateway.cluster import Cluster
 from celery_pulse.gateway.deadlines import within
-from celery_pulse.gateway.dispatch import Assignment, Feeder, Fenced, Step
+from celery_pulse.gateway.dispatch import WAITING, Assignment, Feeder, Fenced, Step
 from celery_pulse.gateway.events import GatewayEvents
 from celery_pulse.gateway.frames import Code, Frame, ProtocolError
 from celery_pulse.gateway.link import Closing, Limits, Link
 from celery_pulse.gateway.outbox import publish, published
 from celery_pulse.gateway.outcomes import Results
+from celery_pulse.gateway.permits import StartPermits
 from celery_pulse.gateway.presence import Presence
 from celery_pulse.gateway.protocol import is_retry, is_revoke
 from celery_pulse.gateway.receipts import (
@@ -77,7 +78,8 @@ class Operations(Cluster, Revoking):
 
     def __init__(self, now: Callable[[], float], limits: Limits, *, store: Store | None,
                  app: Any, on_lost: str | None, max_attempts: int, name: str | None,
-                 events: GatewayEvents | None, state: GatewayState | None = None) -> None:
+                 events: GatewayEvents | None, state: GatewayState | None = None,
+                 permits: StartPermits | None = None) -> None:
         #: Sessions and attempts every gateway process shares (None: this one's only).
         self.state = state
         #: The store's clock (``server_time``, ``expires_at``): never this host's; read
@@ -89,6 +91,8 @@ class Operations(Cluster, Revoking):
         #: without them the gateway only keeps sessions (no task is assigned).
         self.store, self.app = store, app
         self.on_lost, self.max_attempts = on_lost, max_attempts
+        #: Which concurrency permits a start takes (:mod:`.permits`).
+        self.permits = permits or StartPermits(app=app)
         self._links: dict[str, Link] = {}  # session_id -> its connection's writer
         self._feeders: dict[str, Feeder] = {}  # instance_id -> its queue's consumer
         self._holders: dict[str, str] = {}  # instance_id -> its holder name in the store
@@ -171,7 +175,16 @@ class Operations(Cluster, Revoking):
         if frame.type == "task.start":
             lease_until = None
             if attempt.state == LEASED:
-                lease_until = await self._guarded(self._round(instance, Step(attempt)))
+                permits = self.permits.decide(instance.identity.queue_id, attempt.task_name,
+                                              getattr(frame.body, "permits", ()))
+                lease_until = await self._guarded(self._round(instance, Step(
+                    attempt, permits=permits)))
+                if lease_until == WAITING:  # reserved still, its lease as it was
+                    attempt.waiting = True
+                    now = await self._store_now()
+                    return command_result("start", WAITING, LEASED, attempt,
+                                          attempt.lease_until, WAITING,
+                                          lease_body(True, WAITING, attempt.lease_until, now))
             if lease_until is None:
                 # Started already (the start's answer was lost, maybe with the gateway
                 # that applied it): the same answer, its lease renewed from now. Never
@@ -189,7 +202,7 @@ class Operations(Cluster, Revoking):
                 raise ProtocolError(Code.LEASE_LOST,
                                     "attempt no longer grants execution authority")
             attempt.state, attempt.lease_until = RUNNING, lease_until
-            attempt.deadline = sent + self.limits.lease_ttl
+            attempt.deadline, attempt.waiting = sent + self.limits.lease_ttl, False
             if self.events is not None:
                 self._spawn(self.events.send("task-started", self._holders[instance.instance_id],
                                              uuid=attempt.task_id))
@@ -197,8 +210,9 @@ class Operations(Cluster, Revoking):
             now = lease_until - self.limits.lease_ttl
             return command_result("start", "RUNNING", "RUNNING", attempt, lease_until,
                                   "APPLIED", lease_body(True, "RUNNING", lease_until, now))
-        # task.renew: only a running attempt is renewed (the seed's rule).
-        if attempt.state != RUNNING:
+        # task.renew: only a running attempt is renewed (the seed's rule), and one whose
+        # start waits for a permit (as a direct worker renews its waiting reservations).
+        if attempt.state != RUNNING and not attempt.waiting:
             raise ProtocolError(Code.STATE_CONFLICT, "only a started attempt is renewed")
         now = await self._store_now(earliest=True)
         renewed = await self._store(fenced.renew, attempt)
@@ -209,9 +223,10 @@ class Operations(Cluster, Revoking):
             # At least this long: the store's now during the renewal was no earlier.
             attempt.lease_until = now + self.limits.lease_ttl
             attempt.deadline = sent + self.limits.lease_ttl
-        return command_result("renew", "RUNNING", "RUNNING", attempt, attempt.lease_until,
+        state = RUNNING if attempt.state == RUNNING else WAITING
+        return command_result("renew", state, attempt.state, attempt, attempt.lease_until,
                               "APPLIED" if renewed else "BUSY",
-                              lease_body(True, "RUNNING", attempt.lease_until, now))
+                              lease_body(True, state, attempt.lease_until, now))
 
     async def _lease_now(self, instance: Instance, frame: Frame) -> dict[str, Any]:
         """The attempt's lease as the store has it now (``active`` false when lost)."""

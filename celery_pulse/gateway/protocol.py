@@ -127,6 +127,22 @@ class AttemptRef:
 
 
 @dataclass(frozen=True, slots=True)
+class PermitAsk:
+    """A concurrency permit a start needs: at most ``limit`` running attempts hold ``key``
+    across every worker of the store (the worker's ``pulse_concurrency`` declarations)."""
+
+    key: str
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Start(AttemptRef):
+    """``task.start``: the attempt, and the permits it needs (none: unlimited)."""
+
+    permits: tuple[PermitAsk, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     ref: AttemptRef
     outcome: str
@@ -146,13 +162,13 @@ class Frame:
 
 
 #: The records a client frame's body becomes.
-Body: TypeAlias = Hello | AttemptRef | CapacityUpdate | Finish
+Body: TypeAlias = Hello | AttemptRef | Start | CapacityUpdate | Finish
 
 CLIENT_TYPES: Final[Mapping[str, type[Body]]] = MappingProxyType({
     "worker.hello": Hello,
     "worker.resume": AttemptRef,
     "worker.capacity": CapacityUpdate,
-    "task.start": AttemptRef,
+    "task.start": Start,
     "task.renew": AttemptRef,
     "task.finish": Finish,
 })
@@ -168,6 +184,10 @@ SERVER_TYPES: Final = frozenset({"worker.welcome", "ack", "error", "task.assign"
 HELLO: Final = "worker.hello"
 MAX_LABEL: Final = 128
 MAX_QUEUE_ID: Final = 255
+#: The most permits one start may ask for, the longest key, the highest limit.
+MAX_PERMITS: Final = 8
+MAX_PERMIT_KEY: Final = 255
+MAX_PERMIT_LIMIT: Final = 1_000_000
 MAX_ERROR_MESSAGE: Final = 1024
 
 

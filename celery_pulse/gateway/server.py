@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -69,6 +69,7 @@ from celery_pulse.gateway.link import Closing, Limits, Link, server_ssl_context,
 from celery_pulse.gateway.operations import Operations
 from celery_pulse.gateway.ordering import Ordered
 from celery_pulse.gateway.outcomes import RemoteTaskError
+from celery_pulse.gateway.permits import StartPermits
 from celery_pulse.gateway.receipts import DISPOSITIONS, OUTCOME_STATES, attempt_ref, holder_name
 from celery_pulse.gateway.redact import wire_logger
 from celery_pulse.gateway.session import RUNNING, Instance, Session, Sessions
@@ -95,12 +96,14 @@ class Gateway(Handshake, Operations):
                  store: Store | None = None, app: Any = None, on_lost: str | None = None,
                  max_attempts: int = 3, name: str | None = None,
                  events: GatewayEvents | None = None, state: GatewayState | None = None,
-                 allowed_origins: tuple[str, ...] = ()) -> None:
+                 allowed_origins: tuple[str, ...] = (),
+                 concurrency_limits: Mapping[str, int] | None = None) -> None:
         limits = limits or Limits()
         if lease_ttl is not None:
             limits = dataclasses.replace(limits, lease_ttl=min(lease_ttl, limits.lease_ttl))
         super().__init__(now, limits, store=store, app=app, on_lost=on_lost,
-                         max_attempts=max_attempts, name=name, events=events, state=state)
+                         max_attempts=max_attempts, name=name, events=events, state=state,
+                         permits=StartPermits(concurrency_limits, app))
         self.credentials = credentials
         self.allowed_origins = frozenset(allowed_origins)
         self._credentials_now: dict[str, Credential] = {}

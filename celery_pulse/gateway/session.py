@@ -104,6 +104,9 @@ class Attempt:
     #: The token's digest, for an attempt adopted from the store before any frame
     #: proved its token (``token`` is empty until then).
     token_digest: str = ""
+    #: Its start was answered WAITING (no free concurrency permit): still LEASED (not
+    #: started), but renewed like a running one while it waits.
+    waiting: bool = False
 
 
 @dataclasses.dataclass

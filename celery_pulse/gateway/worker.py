@@ -13,8 +13,9 @@ the hard stop); only its store and its broker are the gateway:
 * The broker is :mod:`celery_pulse.gateway.transport` (``pulsegw://``): deliveries are
   the ``task.assign`` frames; acknowledging is a no-op (the gateway did it); nothing can
   be published.
-* What needs the database or the broker is off: Recover, the beat, retention,
-  concurrency permits, remote control, events (docs/gateway.md lists it).
+* What needs the database or the broker is off: Recover, the beat, retention, remote
+  control, events (docs/gateway.md lists it). Concurrency permits travel with the start
+  (the gateway takes them in the store; a start without room is answered ``WAITING``).
 
 The keeper's lease TTL is the gateway's lease duration (``lease_duration_ms``), never
 longer: a local deadline must end before the store could give the task to anyone else.
@@ -50,6 +51,7 @@ from celery_pulse.store.base import (
     Grant,
     Heartbeat,
     LeaseKey,
+    Permit,
     PermitSignals,
     Refusal,
     Registration,
@@ -69,6 +71,9 @@ OUTCOMES = {SUCCEEDED: ("SUCCEEDED", None), FAILED: ("FAILED", "celery.failure")
             RETRY: ("FAILED", RETRY_CODE)}
 #: The gateway's dispositions as the store's completion answers.
 ANSWERS = {"APPLIED": "applied", "DUPLICATE": "duplicate", "EVIDENCE_ONLY": "evidence"}
+
+#: A start's disposition when a permit it needs is not free (held, renewed, not run).
+WAITING = "WAITING"
 
 #: The header the transport puts the assignment's epoch in: which grant a delivery is.
 EPOCH_HEADER = "pulse_gateway_epoch"
@@ -144,14 +149,21 @@ class GatewayStore(RegistryStore, ClaimStore):
             return None
         return found
 
-    def _submit_each(self, leases: Sequence[LeaseKey], kind: str) -> list[_Asked]:
+    def _submit_each(self, leases: Sequence[LeaseKey], kind: str,
+                     permits: Mapping[str, Sequence[Permit]] | None = None) -> list[_Asked]:
         """Send ``kind`` for each lease the gateway assigned us (the others are skipped:
-        not ours, lost), without waiting for any answer."""
+        not ours, lost), without waiting for any answer; a start with the permits it needs
+        (:mod:`celery_pulse.gateway.permits`)."""
         asked = []
         for task_id, epoch, token in leases:
             assigned = self._find(task_id, epoch, token)
             if assigned is not None:
-                asked.append((task_id, assigned, self.client.submit(kind, assigned.ref)))
+                body: Mapping[str, Any] = assigned.ref
+                needs = permits.get(task_id) if permits else None
+                if needs:
+                    body = {**body, "permits": [{"key": p.key, "limit": p.limit}
+                                                for p in needs]}
+                asked.append((task_id, assigned, self.client.submit(kind, body)))
         return asked
 
     def _collect(self, asked: list[_Asked]
@@ -206,10 +218,19 @@ class GatewayStore(RegistryStore, ClaimStore):
         return unavailable
 
     @staticmethod
-    def _started(answers: list[tuple[str, Answer | ProtocolError]]) -> dict[str, float]:
-        # (refused: lost; its finish, if any, is evidence)
-        return {task_id: 0.0 for task_id, answer in answers
-                if not isinstance(answer, ProtocolError) and answer.active}
+    def _started(answers: list[tuple[str, Answer | ProtocolError]],
+                 waiting: set[str] | None = None) -> dict[str, float]:
+        # (refused: lost; its finish, if any, is evidence. WAITING: held, no permit yet)
+        started: dict[str, float] = {}
+        for task_id, answer in answers:
+            if isinstance(answer, ProtocolError) or not answer.active:
+                continue
+            if answer.disposition == WAITING:
+                if waiting is not None:
+                    waiting.add(task_id)
+            else:
+                started[task_id] = 0.0
+        return started
 
     def _forget(self, task_id: str, epoch: int) -> None:
         found = self.client.assigned_for(task_id, epoch)
@@ -263,11 +284,11 @@ class GatewayStore(RegistryStore, ClaimStore):
         return out
 
     def start_many(self, holder: str, leases: Sequence[LeaseKey], ttl: float,
-                   permits: Mapping[str, Sequence[Any]] | None = None,
+                   permits: Mapping[str, Sequence[Permit]] | None = None,
                    waiting: set[str] | None = None) -> dict[str, float]:
-        answers, unavailable = self._collect(self._submit_each(leases, "task.start"))
+        answers, unavailable = self._collect(self._submit_each(leases, "task.start", permits))
         self._raise_if_unavailable(unavailable)
-        return self._started(answers)
+        return self._started(answers, waiting)
 
     def renew(self, holder: str, leases: Sequence[LeaseKey], ttl: float
               ) -> tuple[set[str], set[str]]:
@@ -294,19 +315,21 @@ class GatewayStore(RegistryStore, ClaimStore):
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
-                 permits: Mapping[str, Sequence[Any]] | None = None) -> Exchanged:
+                 permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged:
         """The worker's hot path: its finishes and starts all sent before the first
         answer is awaited (the gateway applies them side by side, each attempt's in
         order), so an exchange costs one round trip to the gateway, not one per task.
         If it raises, a start that did apply is answered ``APPLIED`` again when sent
         again, and a finish ``DUPLICATE``."""
         out, sent = self._submit_finishes(completions)
-        starting = self._submit_each(starts, "task.start")
+        starting = self._submit_each(starts, "task.start", permits)
         unavailable = self._collect_finishes(out, sent)
         answers, refused = self._collect(starting)
         self._raise_if_unavailable(unavailable or refused)
+        waiting: set[str] = set()
+        started = self._started(answers, waiting)
         return Exchanged(out, self.reserve(holder, reserves, ttl) if reserves else [],
-                         self._started(answers), {}, frozenset())
+                         started, {}, frozenset(waiting))
 
     def release(self, holder: str, leases: Sequence[LeaseKey], *,
                 never_ran: bool = False) -> int:

@@ -3,8 +3,10 @@ a credentials file and the test CA, from the environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import uuid
 from typing import Any
 
 from celery import Celery
@@ -19,6 +21,7 @@ app.conf.update(
     pulse_gateway_ca=os.environ.get("PULSE_TEST_GATEWAY_CA"),
     task_default_queue=os.environ.get("PULSE_TEST_QUEUE", "celery"),
 )
+app.conf.update(json.loads(os.environ.get("PULSE_TEST_REMOTE_CONF") or "{}"))
 celery_pulse.install(app)
 
 
@@ -114,3 +117,27 @@ def tally(folder: str, index: int, seconds: float) -> int:
         fh.write(f"{time.time()}\n")
     time.sleep(seconds)
     return index
+
+
+def _interval(folder: str, seconds: float, key: str) -> int:
+    """Works ``seconds``, then records ``start end epoch key`` (a file per run)."""
+    lease = current_lease()
+    assert lease is not None
+    began = time.time()
+    time.sleep(seconds)
+    with open(os.path.join(folder, uuid.uuid4().hex), "w") as fh:
+        fh.write(f"{began} {time.time()} {lease.epoch} {key}")
+    return lease.epoch
+
+
+@app.task(name="gatewayapp.limited", pulse_concurrency=2)
+def limited(folder: str, seconds: float) -> int:
+    """At most 2 at once across the cluster (the gateway takes the permit)."""
+    return _interval(folder, seconds, "")
+
+
+@app.task(name="gatewayapp.per_key", pulse_concurrency=1,
+          pulse_concurrency_key=lambda args, kwargs: args[2])
+def per_key(folder: str, seconds: float, key: str) -> int:
+    """At most 1 at once per ``key``."""
+    return _interval(folder, seconds, key)

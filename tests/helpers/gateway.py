@@ -258,13 +258,14 @@ def remote(env: Env, gateway: GatewayProcess, tokens: dict[str, str], proxy: Pro
            ) -> Callable[..., Worker]:
     """Start a remote worker: its environment names no store and no broker (the queue's
     name only; ``through_proxy``: its gateway connection can be cut; ``url``: another
-    gateway's; ``extra``: more ``celery worker`` arguments)."""
+    gateway's; ``extra``: more ``celery worker`` arguments; ``conf``: more of the worker's
+    Celery configuration)."""
     credentials = env.tmp / "runner.json"
     credentials.write_text(json.dumps({"token": tokens["full"]}))
 
     def start(name: str, concurrency: int = 2, queue: str | None = None,
               through_proxy: bool = False, url: str | None = None,
-              extra: tuple[str, ...] = ()) -> Worker:
+              extra: tuple[str, ...] = (), conf: dict[str, Any] | None = None) -> Worker:
         remote_env = Env("sqlite:////nonexistent/never-opened.db", "memory://",
                          queue or env.queue, env.tmp, app="tests.apps.gatewayapp")
         if url is None:
@@ -274,7 +275,8 @@ def remote(env: Env, gateway: GatewayProcess, tokens: dict[str, str], proxy: Pro
             "PULSE_TEST_GATEWAY_URL": url,
             "PULSE_TEST_GATEWAY_CREDENTIALS": str(credentials),
             "PULSE_TEST_GATEWAY_CA": str(tls[0].parent / "ca.pem"),
-            "PULSE_TEST_STORE": "", "PULSE_TEST_BROKER": ""})
+            "PULSE_TEST_STORE": "", "PULSE_TEST_BROKER": "",
+            "PULSE_TEST_REMOTE_CONF": json.dumps(conf or {})})
     return start
 
 

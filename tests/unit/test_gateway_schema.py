@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 from jsonschema import Draft202012Validator
 
-from celery_pulse.gateway import frames
+from celery_pulse.gateway import frames, refs
 from celery_pulse.gateway.cancels import cancel_body, revoke_control
 from celery_pulse.gateway.frames import (
     CLIENT_TYPES,
@@ -52,7 +52,9 @@ from celery_pulse.gateway.frames import (
     Finish,
     Frame,
     Hello,
+    PermitAsk,
     ProtocolError,
+    Start,
     ack,
     decode_client,
     decode_server,
@@ -61,6 +63,7 @@ from celery_pulse.gateway.frames import (
     new_id,
 )
 from celery_pulse.gateway.link import Limits
+from celery_pulse.gateway.protocol import MAX_PERMIT_KEY, MAX_PERMIT_LIMIT, MAX_PERMITS
 from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
@@ -155,7 +158,7 @@ def _fields(record: type) -> set[str]:
 
 
 BODY_DEFINITIONS = {"worker.hello": "hello_body", "worker.resume": "attempt_ref",
-                    "worker.capacity": "capacity_body", "task.start": "attempt_ref",
+                    "worker.capacity": "capacity_body", "task.start": "start_body",
                     "task.renew": "attempt_ref", "task.finish": "finish_body"}
 
 
@@ -172,14 +175,17 @@ def test_each_client_body_has_the_records_fields(kind: str) -> None:
     assert properties(BODY_DEFINITIONS[kind]) == fields
     # What encode() writes for a record is what the schema lists.
     written = json.loads(encode(decode_client(json.dumps(wire(kind)))))["body"]
-    assert set(written) == fields - {"error_code"}
+    assert set(written) == fields - {"error_code", "permits"}  # optional, absent here
 
 
 def test_body_field_sets_are_the_codecs_readers() -> None:
     assert properties("hello_body") == required("hello_body") == frames._HELLO_FIELDS
     assert properties("capability") == required("capability") == frames._CAPABILITY_FIELDS
     assert _fields(Capability) == frames._CAPABILITY_FIELDS
-    assert properties("attempt_ref") == required("attempt_ref") == frames._REF_FIELDS
+    assert properties("attempt_ref") == required("attempt_ref") == refs.REF_FIELDS
+    assert required("start_body") == refs.REF_FIELDS
+    assert properties("start_body") == refs.REF_FIELDS | {"permits"} == _fields(Start)
+    assert properties("permit") == required("permit") == refs.PERMIT_FIELDS == _fields(PermitAsk)
     assert properties("capacity_body") == required("capacity_body") == frames._CAPACITY_FIELDS
     assert required("finish_body") == frames._FINISH_FIELDS
     assert properties("finish_body") == frames._FINISH_FIELDS | frames._FINISH_OPTIONAL
@@ -207,7 +213,12 @@ def test_enums_and_bounds_are_the_codecs() -> None:
     assert set(DEFS["finish_body"]["properties"]["outcome"]["enum"]) == OUTCOMES
     receipt = DEFS["receipt"]["properties"]
     # BUSY: a renewal the store could not make while a fenced block held the row.
-    assert set(receipt["disposition"]["enum"]) == set(DISPOSITIONS.values()) | {"BUSY"}
+    # WAITING: a start (and its renewals) with no free concurrency permit yet.
+    assert set(receipt["disposition"]["enum"]) == set(DISPOSITIONS.values()) | {"BUSY", "WAITING"}
+    permits = DEFS["start_body"]["properties"]["permits"]
+    assert permits["maxItems"] == MAX_PERMITS
+    assert DEFS["permit"]["properties"]["key"]["maxLength"] == MAX_PERMIT_KEY
+    assert DEFS["permit"]["properties"]["limit"]["maximum"] == MAX_PERMIT_LIMIT
     assert set(OUTCOME_STATES.values()) < set(receipt["task_state"]["enum"])
     hello = DEFS["hello_body"]["properties"]
     assert hello["capabilities"]["maxItems"] == MAX_CAPABILITIES
@@ -231,7 +242,8 @@ RECORDS: dict[str, Any] = {
     "worker.hello": _hello_record(),
     "worker.resume": AttemptRef(TASK, ATTEMPT, 3, "tok"),
     "worker.capacity": CapacityUpdate(INT64_MAX, 0, True),
-    "task.start": AttemptRef(TASK, ATTEMPT, 0, "a" * 128),
+    "task.start": Start(TASK, ATTEMPT, 0, "a" * 128, (PermitAsk("task:app.x[1]", 3),
+                                                      PermitAsk("queue:q", MAX_PERMIT_LIMIT))),
     "task.renew": AttemptRef(TASK, ATTEMPT, INT64_MAX, "x"),
     "task.finish": Finish(AttemptRef(TASK, ATTEMPT, 1, "t"), "FAILED", {"why": None}, "E.x:1-_"),
 }
@@ -278,6 +290,10 @@ def _receipts() -> dict[str, dict[str, Any]]:
     bodies = {
         "start": command_result("start", "RUNNING", "RUNNING", _ATTEMPT, NOW + 30, "APPLIED", lease),
         "renew busy": command_result("renew", "RUNNING", "RUNNING", _ATTEMPT, NOW + 30, "BUSY", lease),
+        "start waiting": command_result("start", "WAITING", "LEASED", _ATTEMPT, NOW + 30, "WAITING",
+                                        lease_body(True, "WAITING", NOW + 30, NOW)),
+        "renew waiting": command_result("renew", "WAITING", "LEASED", _ATTEMPT, NOW + 30, "APPLIED",
+                                        lease_body(True, "WAITING", NOW + 30, NOW)),
         "resume": {"lease": lost, "deduplicated": False},
         "capacity": welcome,
         "capacity repeated": {**welcome, "deduplicated": True},
@@ -431,7 +447,7 @@ CLIENT_INVALID: dict[str, dict[str, Any]] = {
     "type a number": wire("task.start", type=7),
     # missing fields
     **{f"{kind} without {field}": _set(kind, f"body.{field}", ...)
-       for kind, fields in [("worker.hello", frames._HELLO_FIELDS), ("task.start", frames._REF_FIELDS),
+       for kind, fields in [("worker.hello", frames._HELLO_FIELDS), ("task.start", refs.REF_FIELDS),
                             ("worker.capacity", frames._CAPACITY_FIELDS),
                             ("task.finish", frames._FINISH_FIELDS)]
        for field in sorted(fields)},
@@ -448,6 +464,16 @@ CLIENT_INVALID: dict[str, dict[str, Any]] = {
     "UNKNOWN without error_code": _set("task.finish", "body.outcome", "UNKNOWN"),
     # too large, too small, out of range
     "queue_id 256 characters": _set("worker.hello", "body.queue_id", "q" * 256),
+    "permits empty": _set("task.start", "body.permits", []),
+    "permits 9": _set("task.start", "body.permits", [{"key": f"k{i}", "limit": 1} for i in range(9)]),
+    "permit limit 0": _set("task.start", "body.permits", [{"key": "task:x", "limit": 0}]),
+    "permit limit a string": _set("task.start", "body.permits", [{"key": "task:x", "limit": "1"}]),
+    "permit key empty": _set("task.start", "body.permits", [{"key": "", "limit": 1}]),
+    "permit key 256 characters": _set("task.start", "body.permits", [{"key": "k" * 256, "limit": 1}]),
+    "permit key with a newline": _set("task.start", "body.permits", [{"key": "a\nb", "limit": 1}]),
+    "permit with another field": _set("task.start", "body.permits",
+                                      [{"key": "task:x", "limit": 1, "x": 1}]),
+    "permits on a renewal": _set("task.renew", "body.permits", [{"key": "task:x", "limit": 1}]),
     "queue_id empty": _set("worker.hello", "body.queue_id", ""),
     "lease_secret 129 characters": _set("task.start", "body.lease_secret", "s" * 129),
     "lease_secret empty": _set("task.start", "body.lease_secret", ""),
@@ -579,6 +605,8 @@ GAPS: dict[str, dict[str, Any]] = {
     "an unassigned code point in a label": _set("worker.hello", "body.capabilities.0.handler", "a\u0378"),
     "a format character outside the BMP": _set("worker.hello", "body.queue_id", "q\U000e0001"),
     "a result over 256 KiB": _set("task.finish", "body.result", "x" * (256 * 1024)),
+    "a permit key twice": _set("task.start", "body.permits",
+                               [{"key": "task:x", "limit": 1}, {"key": "task:x", "limit": 2}]),
 }
 
 
@@ -628,7 +656,7 @@ scalars = st.none() | st.booleans() | st.integers(-(2**63), INT64_MAX) | st.floa
     allow_nan=False, allow_infinity=False).filter(lambda f: not f.is_integer()) | st.text(chars)
 json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
     st.text(chars, max_size=8), kids, max_size=3), max_leaves=8)
-refs = st.fixed_dictionaries({"task_id": hex_ids, "attempt_id": hex_ids, "epoch": decimals,
+attempt_refs = st.fixed_dictionaries({"task_id": hex_ids, "attempt_id": hex_ids, "epoch": decimals,
                               "lease_secret": lease_secrets})
 capabilities = st.lists(st.fixed_dictionaries({"handler": labels, "handler_version": labels,
                                                "payload_version": labels}),
@@ -638,12 +666,19 @@ BODIES_OF = {
         "instance_id": hex_ids, "instance_secret": instance_secrets,
         "queue_id": st.text(chars, min_size=1, max_size=MAX_QUEUE_ID),
         "capabilities": capabilities, "capacity": st.integers(1, MAX_CAPACITY)}),
-    "worker.resume": refs, "task.start": refs, "task.renew": refs,
+    "worker.resume": attempt_refs, "task.renew": attempt_refs,
+    "task.start": st.fixed_dictionaries(
+        {"task_id": hex_ids, "attempt_id": hex_ids, "epoch": decimals,
+         "lease_secret": lease_secrets},
+        optional={"permits": st.lists(st.fixed_dictionaries(
+            {"key": st.text(chars, min_size=1, max_size=MAX_PERMIT_KEY),
+             "limit": st.integers(1, MAX_PERMIT_LIMIT)}), min_size=1, max_size=MAX_PERMITS,
+            unique_by=lambda p: p["key"])}),
     "worker.capacity": st.fixed_dictionaries({"sequence": decimals,
                                               "capacity": st.integers(0, MAX_CAPACITY),
                                               "drain": st.booleans()}),
     "task.finish": st.fixed_dictionaries(
-        {"ref": refs, "outcome": st.sampled_from(sorted(OUTCOMES)),
+        {"ref": attempt_refs, "outcome": st.sampled_from(sorted(OUTCOMES)),
          "result": json_values.filter(lambda v: v is not None)},
         optional={"error_code": error_codes}),
 }
@@ -651,7 +686,7 @@ BODIES_OF = {
 near_misses = st.one_of(scalars, hex_ids, decimals, lease_secrets, error_codes, instance_secrets,
                         st.sampled_from(["", "01", "-1", "A" * 32, "1\n", " 1", "SUCCEEDED", "1",
                                          "worker.hello", 0, 257, -1, True, [], {}, None]),
-                        refs, st.lists(json_values, max_size=2), st.dictionaries(
+                        attempt_refs, st.lists(json_values, max_size=2), st.dictionaries(
                             st.sampled_from(["x", "handler", "epoch", "task_id"]), json_values,
                             max_size=2))
 
@@ -672,7 +707,7 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]
         for key, item in value.items():
             if prefix[-1:] != ("result",):
                 yield from _paths(item, (*prefix, key))
-    elif isinstance(value, list) and prefix[-1:] == ("capabilities",):
+    elif isinstance(value, list) and prefix[-1:] in (("capabilities",), ("permits",)):
         for index, item in enumerate(value):
             yield from _paths(item, (*prefix, index))
 
