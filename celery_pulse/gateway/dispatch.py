@@ -17,6 +17,8 @@ The rules, before any code:
   then they go back to the broker and the feeder stops consuming until there is room,
   so an instance never sits for long on a task another one could run. Unacknowledged,
   they are the broker's: a feeder that stops (its instance gone) hands them back.
+* **Only what it can run.** A delivery no capability of the instance covers goes back
+  to the broker for one that does (:mod:`.routing`).
 * **Not before its time.** A delivery with an ETA, and a new publication of a task
   whose previous attempt is still live, wait unacknowledged until due (:mod:`.waiting`).
 * **Fenced by the store.** ``task.start``, ``task.renew`` and ``task.finish`` are the
@@ -44,6 +46,7 @@ from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway.expiry import REVOKED_REASON, NeverRun, expired
 from celery_pulse.gateway.frames import new_id
 from celery_pulse.gateway.protocol import is_retry, is_revoke
+from celery_pulse.gateway.routing import ELSEWHERE_AFTER, Elsewhere
 from celery_pulse.gateway.session import Attempt
 from celery_pulse.gateway.waiting import TAKEN_AGAIN, Waiting, eta_in, newer
 from celery_pulse.messages import capture, policy_for, publication_of
@@ -128,7 +131,8 @@ class Feeder(threading.Thread):
                  on_lost: str | None, max_attempts: int, free: Callable[[], int],
                  on_assign: Callable[[Assignment], None],
                  record: Callable[[list[Attempt]], None] | None = None,
-                 prefetch: int = 1, revoked: Callable[[str], bool] | None = None) -> None:
+                 prefetch: int = 1, revoked: Callable[[str], bool] | None = None,
+                 covers: Callable[[str], bool] | None = None) -> None:
         super().__init__(name=f"pulse-gateway-feeder-{queue}", daemon=True)
         self.app, self.store, self.holder, self.queue = app, store, holder, queue
         self.lease_ttl, self.on_lost, self.max_attempts = lease_ttl, on_lost, max_attempts
@@ -144,6 +148,8 @@ class Feeder(threading.Thread):
         self._never_run = NeverRun(app, store, holder)
         #: Whether Celery's broadcast revoked a task id (.revokes), if heard.
         self.revoked = revoked
+        #: Whether the instance's capabilities cover a task; the others go back (.routing).
+        self.covers, self._elsewhere = covers, Elsewhere()
 
     def stop(self) -> None:
         self._stop.set()
@@ -163,9 +169,12 @@ class Feeder(threading.Thread):
                 prefetch_count=max(1, self.prefetch), auto_declare=True) as consumer:
             consuming, full_since, held = True, None, 0
             while not self._stop.is_set():
-                self._batch.extend(self._waiting.due(time.monotonic()))
-                if len(self._waiting) != held:  # held ones don't take the prefetch's room
-                    held = len(self._waiting)
+                now = time.monotonic()
+                self._batch.extend(self._waiting.due(now))
+                for message in self._elsewhere.due(now):
+                    message.requeue()  # for an instance that can run it
+                if len(self._waiting) + len(self._elsewhere) != held:  # held ones don't
+                    held = len(self._waiting) + len(self._elsewhere)  # take the room
                     consumer.qos(prefetch_count=max(1, self.prefetch) + held)
                 if self._batch:
                     room = self.free()
@@ -198,7 +207,8 @@ class Feeder(threading.Thread):
                     consumer.consume()
                     consuming = True
                 try:
-                    conn.drain_events(timeout=self._waiting.wait(time.monotonic(), 0.5))
+                    conn.drain_events(timeout=self._elsewhere.wait(
+                        time.monotonic(), self._waiting.wait(time.monotonic(), 0.5)))
                 except TimeoutError:
                     continue
                 self._drain_ready(conn)
@@ -219,6 +229,13 @@ class Feeder(threading.Thread):
             logger.error("pulse gateway: dropping a message on %s that is no Celery task "
                          "(protocol 2 headers missing)", self.queue)
             message.reject(requeue=False)
+            return
+        if self.covers is not None and not self.covers(name):
+            self._elsewhere.hold(time.monotonic() + ELSEWHERE_AFTER, message)
+            if name not in self._elsewhere.told:
+                self._elsewhere.told.add(name)
+                logger.warning("pulse gateway: %s on %s is not among %s's capabilities: left "
+                               "to an instance that declared it", name, self.queue, self.holder)
             return
         task = self.app.tasks.get(name)
         request = ReserveRequest(

@@ -51,6 +51,7 @@ from celery_pulse.gateway.receipts import (
 )
 from celery_pulse.gateway.revoking import Revoking
 from celery_pulse.gateway.rounds import Rounds
+from celery_pulse.gateway.routing import Capabilities
 from celery_pulse.gateway.session import (
     FINISHED,
     LEASED,
@@ -299,7 +300,8 @@ class Operations(Cluster, Revoking):
                         on_lost=self.on_lost, max_attempts=self.max_attempts, free=free,
                         on_assign=on_assign, record=self._recorder(instance),
                         prefetch=max(1, instance.capacity.capacity),
-                        revoked=self._is_revoked)
+                        revoked=self._is_revoked, covers=Capabilities(
+                            c.handler for c in instance.identity.capabilities).cover)
         self._feeders[instance.instance_id] = feeder
         feeder.start()
 

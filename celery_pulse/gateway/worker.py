@@ -36,8 +36,9 @@ from typing import Any
 from celery_pulse.errors import InvalidConfig, NotRegistered, StoreUnavailable
 from celery_pulse.gateway.client import Answer, Assigned, GatewayClient, Pending
 from celery_pulse.gateway.frames import Code, ProtocolError
-from celery_pulse.gateway.protocol import RETRY_CODE, REVOKED_CODE
+from celery_pulse.gateway.protocol import MAX_CAPABILITIES, MAX_LABEL, RETRY_CODE, REVOKED_CODE
 from celery_pulse.gateway.replies import UNANSWERED
+from celery_pulse.gateway.routing import declared
 from celery_pulse.settings import Settings
 from celery_pulse.store.base import (
     FAILED,
@@ -109,8 +110,7 @@ def connect_worker(settings: Settings, queue: str, capacity: int, handlers: Sequ
             settings.gateway_url, credentials_token(settings.gateway_credentials),
             queue_id=queue, capacity=capacity,
             capabilities=[{"handler": name, "handler_version": "1", "payload_version": "1"}
-                          for name in sorted(handlers)[:32]] or [
-                {"handler": "celery", "handler_version": "1", "payload_version": "1"}],
+                          for name in declared(handlers, MAX_CAPABILITIES, MAX_LABEL)],
             ssl_context=context if settings.gateway_url.startswith("wss:") else None)
         try:
             client.start()

@@ -141,3 +141,11 @@ def limited(folder: str, seconds: float) -> int:
 def per_key(folder: str, seconds: float, key: str) -> int:
     """At most 1 at once per ``key``."""
     return _interval(folder, seconds, key)
+
+
+if app.conf.get("test_newer_deploy"):  # a task only the newer deploy's workers have
+
+    @app.task(name="gatewayapp.newer", bind=True)
+    def newer(self: Any) -> str:
+        """The worker that ran it (its node name)."""
+        return str(self.request.hostname)

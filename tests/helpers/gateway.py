@@ -130,7 +130,7 @@ def hello_body(instance_id: str | None = None, secret: str | None = None, queue:
                 secrets.token_bytes(32)).rstrip(b"=").decode(),
             "queue_id": queue, "capacity": capacity,
             "capabilities": capabilities or [
-                {"handler": "opsapp.hold", "handler_version": "1", "payload_version": "1"}]}
+                {"handler": "opsapp.*", "handler_version": "1", "payload_version": "1"}]}
 
 
 @pytest.fixture(scope="session")
