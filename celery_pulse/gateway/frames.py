@@ -77,8 +77,9 @@ from celery_pulse.gateway.protocol import (
     PermitAsk,
     ProtocolError,
     Start,
+    TaskQuery,
 )
-from celery_pulse.gateway.refs import read_ref, read_start, wire_ref
+from celery_pulse.gateway.refs import read_query, read_ref, read_start, wire_ref
 from celery_pulse.gateway.wire import (
     ID_FORM,
     boolean,
@@ -102,6 +103,7 @@ __all__ = [
     "MAX_QUEUE_ID", "MAX_RESULT_BYTES", "OUTCOMES", "PROTOCOL_VERSION", "SERVER_TYPES",
     "SUBPROTOCOL", "SUCCEEDED", "UNKNOWN", "AttemptRef", "Body", "Capability", "CapacityUpdate",
     "Code", "ErrorInfo", "Finish", "Frame", "Hello", "PermitAsk", "ProtocolError", "Start",
+    "TaskQuery",
     "ack", "canonical",
     "decode_client", "decode_server", "encode", "error_frame", "new_id",
 ]
@@ -194,7 +196,8 @@ def _finish(obj: Any, path: str) -> Finish:
 
 
 _BODY_READERS: Mapping[type[Body], Callable[[Any, str], Body]] = MappingProxyType({
-    Hello: _hello, AttemptRef: read_ref, Start: read_start, CapacityUpdate: _capacity, Finish: _finish,
+    Hello: _hello, AttemptRef: read_ref, Start: read_start, TaskQuery: read_query,
+    CapacityUpdate: _capacity, Finish: _finish,
 })
 
 
@@ -302,6 +305,8 @@ def _wire_body(body: Any) -> Any:
                 "capabilities": [{"handler": c.handler, "handler_version": c.handler_version,
                                   "payload_version": c.payload_version} for c in capabilities],
                 "capacity": body.capacity}
+    if isinstance(body, TaskQuery):
+        return {"task_id": body.task_id}
     if isinstance(body, AttemptRef):
         return wire_ref(body)
     if isinstance(body, CapacityUpdate):

@@ -39,6 +39,7 @@ from celery_pulse.gateway.outcomes import Results
 from celery_pulse.gateway.permits import StartPermits
 from celery_pulse.gateway.presence import Presence
 from celery_pulse.gateway.protocol import is_retry, is_revoke
+from celery_pulse.gateway.queries import Queries
 from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
@@ -74,7 +75,7 @@ T = TypeVar("T")
 STORE_THREADS = 16
 
 
-class Operations(Cluster, Revoking):
+class Operations(Cluster, Revoking, Queries):
     """A gateway's instances, operations and dispatch (no connection handling)."""
 
     def __init__(self, now: Callable[[], float], limits: Limits, *, store: Store | None,
@@ -134,6 +135,8 @@ class Operations(Cluster, Revoking):
             if feeder is not None:
                 feeder.room()  # more room, maybe: look now
             return await self._welcome(instance, session)
+        if frame.type == "task.query":
+            return await self._query(instance, frame.body)
         fenced = self._fenced(instance)
         if frame.type == "task.finish":
             finish: frames.Finish = frame.body

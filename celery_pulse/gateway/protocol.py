@@ -143,6 +143,14 @@ class Start(AttemptRef):
 
 
 @dataclass(frozen=True, slots=True)
+class TaskQuery:
+    """``task.query``: a task's attempts and the late outcomes kept of them, as this
+    instance may see them (read-only)."""
+
+    task_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     ref: AttemptRef
     outcome: str
@@ -162,7 +170,7 @@ class Frame:
 
 
 #: The records a client frame's body becomes.
-Body: TypeAlias = Hello | AttemptRef | Start | CapacityUpdate | Finish
+Body: TypeAlias = Hello | AttemptRef | Start | CapacityUpdate | Finish | TaskQuery
 
 CLIENT_TYPES: Final[Mapping[str, type[Body]]] = MappingProxyType({
     "worker.hello": Hello,
@@ -171,6 +179,7 @@ CLIENT_TYPES: Final[Mapping[str, type[Body]]] = MappingProxyType({
     "task.start": Start,
     "task.renew": AttemptRef,
     "task.finish": Finish,
+    "task.query": TaskQuery,
 })
 #: The error code of a ``FAILED`` finish that is Celery's revoke (``terminate``, or
 #: revoked before it ran): the claim ends ``revoked`` and the result ``REVOKED``.

@@ -1,5 +1,6 @@
 """The frames that name an attempt: its ref (``worker.resume``, ``task.renew``, a finish's
-``ref``) and ``task.start``, whose ref may carry the concurrency permits the start needs.
+``ref``) and ``task.start``, whose ref may carry the concurrency permits the start needs;
+and ``task.query``, which names a task.
 
 Read by :mod:`celery_pulse.gateway.frames` (whose rules apply: exact fields, ids of 32
 lowercase hex, epochs as decimal strings); pure Python.
@@ -17,12 +18,14 @@ from celery_pulse.gateway.protocol import (
     AttemptRef,
     PermitAsk,
     Start,
+    TaskQuery,
 )
 from celery_pulse.gateway.wire import decimal, exact, identifier, integer, invalid, string
 
 _LEASE_SECRET = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 REF_FIELDS = frozenset({"task_id", "attempt_id", "epoch", "lease_secret"})
 PERMIT_FIELDS = frozenset({"key", "limit"})
+QUERY_FIELDS = frozenset({"task_id"})
 
 
 def read_ref(obj: Any, path: str) -> AttemptRef:
@@ -55,6 +58,11 @@ def read_start(obj: Any, path: str) -> Start:
     ref = read_ref(obj, path)
     return Start(ref.task_id, ref.attempt_id, ref.epoch, ref.lease_secret,
                  tuple(permits.values()))
+
+def read_query(obj: Any, path: str) -> TaskQuery:
+    body = exact(obj, path, QUERY_FIELDS)
+    return TaskQuery(identifier(body["task_id"], f"{path}.task_id"))
+
 
 def wire_ref(ref: AttemptRef) -> dict[str, Any]:
     """A ref in its wire form (a :class:`Start`'s permits included)."""

@@ -38,6 +38,7 @@ from celery_pulse.gateway.frames import (
     Hello,
     ProtocolError,
     Start,
+    TaskQuery,
     ack,
     canonical,
     decode_client,
@@ -68,6 +69,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "task.start": REF,
     "task.renew": REF,
     "task.finish": {"ref": REF, "outcome": "SUCCEEDED", "result": {"ok": [1, 2.5, "é"]}},
+    "task.query": {"task_id": TASK},
 }
 
 
@@ -423,6 +425,7 @@ EXPECTED_BODIES: dict[str, Any] = {
     "task.renew": AttemptRef(TASK, ATTEMPT, 1, LEASE_SECRET),
     "task.finish": Finish(AttemptRef(TASK, ATTEMPT, 1, LEASE_SECRET), "SUCCEEDED",
                           {"ok": [1, 2.5, "é"]}, None),
+    "task.query": TaskQuery(TASK),
 }
 
 
@@ -444,7 +447,7 @@ def test_every_client_type_decodes_to_its_record_and_encodes_back(kind: str) -> 
     assert _normal(json.loads(encoded)) == _normal(wire(kind))
     assert decode_client(encoded) == frame
     assert " " not in encoded.replace("objects", "")  # compact
-    assert '"epoch":"1"' in encoded or kind in ("worker.hello", "worker.capacity")
+    assert '"epoch":"1"' in encoded or kind in ("worker.hello", "worker.capacity", "task.query")
 
 
 def test_a_failed_finish_round_trips_with_its_error_code() -> None:

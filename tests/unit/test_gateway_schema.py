@@ -55,6 +55,7 @@ from celery_pulse.gateway.frames import (
     PermitAsk,
     ProtocolError,
     Start,
+    TaskQuery,
     ack,
     decode_client,
     decode_server,
@@ -70,6 +71,7 @@ from celery_pulse.gateway.receipts import (
     assign_body,
     command_result,
     lease_body,
+    timestamp,
     welcome_body,
 )
 from celery_pulse.store.records import Message
@@ -100,6 +102,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "task.start": REF,
     "task.renew": REF,
     "task.finish": {"ref": REF, "outcome": "SUCCEEDED", "result": {"ok": [1, 2.5, "é"]}},
+    "task.query": {"task_id": TASK},
 }
 PROPERTY = settings(database=None, deadline=None, max_examples=300)
 
@@ -159,7 +162,8 @@ def _fields(record: type) -> set[str]:
 
 BODY_DEFINITIONS = {"worker.hello": "hello_body", "worker.resume": "attempt_ref",
                     "worker.capacity": "capacity_body", "task.start": "start_body",
-                    "task.renew": "attempt_ref", "task.finish": "finish_body"}
+                    "task.renew": "attempt_ref", "task.finish": "finish_body",
+                    "task.query": "query_body"}
 
 
 def test_frame_types_are_the_codecs() -> None:
@@ -246,6 +250,7 @@ RECORDS: dict[str, Any] = {
                                                       PermitAsk("queue:q", MAX_PERMIT_LIMIT))),
     "task.renew": AttemptRef(TASK, ATTEMPT, INT64_MAX, "x"),
     "task.finish": Finish(AttemptRef(TASK, ATTEMPT, 1, "t"), "FAILED", {"why": None}, "E.x:1-_"),
+    "task.query": TaskQuery(TASK),
 }
 
 
@@ -306,6 +311,13 @@ def _receipts() -> dict[str, dict[str, Any]]:
                 {"active": False, "state": task_state, "lease_until": None,
                  "server_time": lease["server_time"]})
     bodies["finish repeated"] = {**bodies["finish SUCCEEDED applied"], "deduplicated": True}
+    bodies["query"] = {"task_id": TASK, "task_state": "NEEDS_REVIEW", "epoch": "2",
+                       "attempts": [{"attempt_id": ATTEMPT, "epoch": "1",
+                                     "assigned_at": timestamp(NOW), "current": False,
+                                     "mine": True}],
+                       "evidence": [{"epoch": "1", "outcome": "SUCCEEDED", "error": "",
+                                     "recorded_at": timestamp(NOW), "mine": True}],
+                       "deduplicated": False}
     return bodies
 
 
@@ -674,6 +686,7 @@ BODIES_OF = {
             {"key": st.text(chars, min_size=1, max_size=MAX_PERMIT_KEY),
              "limit": st.integers(1, MAX_PERMIT_LIMIT)}), min_size=1, max_size=MAX_PERMITS,
             unique_by=lambda p: p["key"])}),
+    "task.query": st.fixed_dictionaries({"task_id": hex_ids}),
     "worker.capacity": st.fixed_dictionaries({"sequence": decimals,
                                               "capacity": st.integers(0, MAX_CAPACITY),
                                               "drain": st.booleans()}),
