@@ -45,6 +45,9 @@ class _RecoverLog:
               help="Of those, held by one credential [half].")
 @click.option("--read-idle", default=60.0, show_default=True, type=click.FloatRange(0.1),
               help="Seconds without a frame before the peer must answer a ping.")
+@click.option("--dispatch-rate", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Dispatch rounds per second per worker instance (each reserves what "
+                   "it has room for); 0: as fast as slots free up.")
 @click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN",
               help="A web page origin (scheme://host[:port]) allowed to connect; by default "
                    "any request with an Origin header (a browser's) is refused 403.")
@@ -53,7 +56,7 @@ class _RecoverLog:
 @click.pass_context
 def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile: str | None,
                     max_connections: int, max_unauthenticated: int | None,
-                    max_per_credential: int | None, read_idle: float,
+                    max_per_credential: int | None, read_idle: float, dispatch_rate: float,
                     allowed_origins: tuple[str, ...], loglevel: str) -> None:
     """Serve pulse.worker.v1 at wss://BIND/v1/worker/connect: workers that hold a gateway
     credential, and no database or broker credentials, lease tasks through it."""
@@ -80,7 +83,8 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                           limits=Limits(max_connections=max_connections,
                                         max_unauthenticated=max_unauthenticated,
                                         max_per_credential=max_per_credential,
-                                        read_idle=read_idle), store=store,
+                                        read_idle=read_idle, dispatch_rate=dispatch_rate),
+                          store=store,
                           app=ctx.obj.app, on_lost=settings.on_lost,
                           max_attempts=settings.max_attempts,
                           events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3),

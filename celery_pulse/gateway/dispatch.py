@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +44,7 @@ from celery_pulse.errors import PulseError, StoreUnavailable
 from celery_pulse.gateway.expiry import REVOKED_REASON, NeverRun, expired
 from celery_pulse.gateway.frames import new_id
 from celery_pulse.gateway.protocol import is_retry, is_revoke
+from celery_pulse.gateway.refs import wire_task_id
 from celery_pulse.gateway.routing import ELSEWHERE_AFTER, Elsewhere
 from celery_pulse.gateway.session import Attempt
 from celery_pulse.gateway.waiting import TAKEN_AGAIN, Waiting, eta_in, newer
@@ -104,18 +103,6 @@ def consume_until_stopped(stop: threading.Event, consume: Callable[[], None], wh
             backoff = min(backoff * 2, 10.0)
 
 
-def wire_task_id(task_id: str) -> str:
-    """The 32-hex id the protocol names a Celery task by: its UUID's hex when it is one
-    (Celery's own ids), else 128 bits of its SHA-256 (ids chosen by the publisher)."""
-    try:
-        parsed = uuid.UUID(task_id)
-    except ValueError:
-        parsed = None
-    if parsed is not None and str(parsed) == task_id:
-        return parsed.hex
-    return hashlib.sha256(task_id.encode()).hexdigest()[:32]
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Assignment:
     """A delivery reserved for an instance: what ``task.assign`` carries."""
@@ -132,7 +119,7 @@ class Feeder(threading.Thread):
                  on_assign: Callable[[Assignment], None],
                  record: Callable[[list[Attempt]], None] | None = None,
                  prefetch: int = 1, revoked: Callable[[str], bool] | None = None,
-                 covers: Callable[[str], bool] | None = None) -> None:
+                 covers: Callable[[str], bool] | None = None, rate: float = 0.0) -> None:
         super().__init__(name=f"pulse-gateway-feeder-{queue}", daemon=True)
         self.app, self.store, self.holder, self.queue = app, store, holder, queue
         self.lease_ttl, self.on_lost, self.max_attempts = lease_ttl, on_lost, max_attempts
@@ -150,6 +137,9 @@ class Feeder(threading.Thread):
         self.revoked = revoked
         #: Whether the instance's capabilities cover a task; the others go back (.routing).
         self.covers, self._elsewhere = covers, Elsewhere()
+        #: At most ``rate`` dispatch rounds a second (0: no pacing); what arrives
+        #: meanwhile joins the next round.
+        self.pace, self._paced_until = (1.0 / rate if rate > 0 else 0.0), 0.0
 
     def stop(self) -> None:
         self._stop.set()
@@ -180,7 +170,13 @@ class Feeder(threading.Thread):
                     room = self.free()
                     if room > 0:
                         full_since = None
+                        early = self._paced_until - time.monotonic()
+                        if early > 0:  # paced: the batch grows until the round is due
+                            self._stop.wait(early)
+                            self._drain_ready(conn)
+                            continue
                         self._flush(room)
+                        self._paced_until = time.monotonic() + self.pace
                         continue
                     # Full: what was received waits, unacknowledged, for a finish to
                     # free a slot (room() wakes this at once), but not for long: held

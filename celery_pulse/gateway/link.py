@@ -56,6 +56,10 @@ class Limits:
     session_check: float = 1.0
     #: Operations of one connection applied at once (each attempt's in order).
     concurrent_operations: int = 16
+    #: Dispatch rounds (one reservation statement each, any number of tasks) per second
+    #: per instance; 0: as fast as slots free up (the seed's baseline is 4: see
+    #: docs/gateway.md, Limits).
+    dispatch_rate: float = 0.0
 
 
 class Closing(Exception):

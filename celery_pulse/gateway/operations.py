@@ -303,7 +303,8 @@ class Operations(Cluster, Revoking, Queries):
                         on_lost=self.on_lost, max_attempts=self.max_attempts, free=free,
                         on_assign=on_assign, record=self._recorder(instance),
                         prefetch=max(1, instance.capacity.capacity),
-                        revoked=self._is_revoked, covers=Capabilities(
+                        revoked=self._is_revoked, rate=self.limits.dispatch_rate,
+                        covers=Capabilities(
                             c.handler for c in instance.identity.capabilities).cover)
         self._feeders[instance.instance_id] = feeder
         feeder.start()

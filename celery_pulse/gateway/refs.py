@@ -8,7 +8,9 @@ lowercase hex, epochs as decimal strings); pure Python.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import uuid
 from typing import Any
 
 from celery_pulse.gateway.protocol import (
@@ -71,3 +73,15 @@ def wire_ref(ref: AttemptRef) -> dict[str, Any]:
     if isinstance(ref, Start) and ref.permits:
         wire["permits"] = [{"key": p.key, "limit": p.limit} for p in ref.permits]
     return wire
+
+
+def wire_task_id(task_id: str) -> str:
+    """The 32-hex id the protocol names a Celery task by: its UUID's hex when it is one
+    (Celery's own ids), else 128 bits of its SHA-256 (ids chosen by the publisher)."""
+    try:
+        parsed = uuid.UUID(task_id)
+    except ValueError:
+        parsed = None
+    if parsed is not None and str(parsed) == task_id:
+        return parsed.hex
+    return hashlib.sha256(task_id.encode()).hexdigest()[:32]

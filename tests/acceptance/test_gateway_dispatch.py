@@ -9,6 +9,7 @@ client sends), so each rule of the protocol is asserted as sent and received.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import secrets
@@ -107,6 +108,33 @@ def test_a_task_runs_through_the_gateway(env: Env, client_app: Celery, gateway_s
     assert peer.error("task.renew", _ref(assign)) == "LEASE_LOST"
     # A forged secret names no attempt.
     assert peer.error("task.start", {**_ref(assign), "lease_secret": "forged"}) == "NOT_FOUND"
+
+
+def test_dispatch_is_paced_to_the_rate_the_gateway_was_given(
+        env: Env, client_app: Celery, start_gateway: Callable[..., GatewayProcess],
+        open_peer: Callable[..., Peer]) -> None:
+    """``--dispatch-rate 4`` (the seed's baseline): one dispatch round per 0.25 s per
+    instance. A worker of capacity 1 that finishes each task at once still gets the next
+    one no sooner than a round later (a lower bound: load only lengthens the gaps)."""
+    paced = start_gateway("--dispatch-rate", "4")
+    peer = open_peer(url=paced.url)
+    welcome = peer.call("worker.hello", hello_body(queue=env.queue, capacity=1),
+                        session_id=None)
+    peer.session_id = welcome["body"]["session_id"]
+    for _ in range(6):
+        _publish(client_app, env)
+    assert peer.call("worker.capacity", {"sequence": "1", "capacity": 1,
+                                         "drain": False})["type"] == "ack"
+    received = []
+    for _ in range(6):
+        assign = peer.assignment()
+        received.append(time.monotonic())
+        assert peer.call("task.start", _ref(assign))["type"] == "ack"
+        done = peer.call("task.finish", {"ref": _ref(assign), "outcome": "SUCCEEDED",
+                                         "result": 0})
+        assert done["body"]["receipt"]["disposition"] == "APPLIED"
+    gaps = [b - a for a, b in itertools.pairwise(received)]
+    assert min(gaps) >= 0.2, gaps  # 0.25 s apart when sent, less the network's jitter
 
 
 def test_dispatch_stays_within_the_declared_capacity(
