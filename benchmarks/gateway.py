@@ -5,9 +5,11 @@ worker with ``-c 2`` connected to the store and the broker (``direct``), by one 
 holds only a gateway credential (``gateway``: every delivery reserved by a
 ``celery pulse gateway`` process on the same machine, over TLS, and its starts, renewals
 and finishes sent to it, each exchange's all at once), by two such workers on the
-one gateway (``two remote workers``: two / one is the gateway's scaling), and by two
+one gateway (``two remote workers``: two / one is the gateway's scaling), by two
 such workers each on a gateway of its own, both on the one store (``two gateways``:
-gateway processes share nothing but the store, so a fleet adds them). Runs
+gateway processes share nothing but the store, so a fleet adds them), and by one remote
+worker with ``worker_prefetch_multiplier = 16`` (``capacity 32``: a deeper prefetch,
+so bigger dispatch rounds and group commits; the others keep Celery's 4). Runs
 alternate; the ratio is the median of per-repeat ratios. Results are ignored on every
 side (the throughput of results is section 1's).
 
@@ -37,6 +39,9 @@ CONCURRENCY = 2
 X = "\N{MULTIPLICATION SIGN}"
 CLIENTS = 50
 RENEW_EVERY = 1.0
+VARIANTS = ("direct", "gateway", "gateway2", "gateways2", "gateway32")
+#: The prefetch multiplier of the ``gateway32`` variant (capacity 16 x -c 2).
+DEEP_MULTIPLIER = 16
 CAPABILITIES = [{"handler": "bench.hold", "handler_version": "1", "payload_version": "1"}]
 
 
@@ -101,13 +106,16 @@ def _throughput(scratch: infra.Scratch, store: str, gateways: list[tuple[str, in
                 ) -> dict[str, float]:
     """Tasks a second of ``variant``: ``direct``, ``gateway`` (one remote worker),
     ``gateway2`` (two remote workers on the first gateway, each ``-c 2``) or
-    ``gateways2`` (two remote workers, one on each gateway); and the CPU milliseconds
+    ``gateways2`` (two remote workers, one on each gateway) or ``gateway32`` (one remote
+    worker, prefetch multiplier 16: capacity 32); and the CPU milliseconds
     per task of the workers (every process of theirs) and of the gateways used, between
     the workers' ready and the last task."""
     broker = infra.BROKERS["rabbitmq"]
     queue = f"bench-gw-{uuid.uuid4().hex[:10]}"
     stop_file = scratch.path("stop")
     conf: dict[str, Any] = {"task_ignore_result": True}
+    if variant == "gateway32":
+        conf["worker_prefetch_multiplier"] = DEEP_MULTIPLIER
     remote = variant.startswith("gateway")
     if remote:
         _, credentials = _credentials(store, [queue], scratch)
@@ -117,7 +125,7 @@ def _throughput(scratch: infra.Scratch, store: str, gateways: list[tuple[str, in
         infra.publish(broker, queue, [(task, args)] * n + [("bench.stop", [str(stop_file)])])
         with infra.workers() as started:
             used = gateways if variant == "gateways2" else gateways[:1]
-            for i in range(1 if variant in ("direct", "gateway") else 2):
+            for i in range(1 if variant in ("direct", "gateway", "gateway32") else 2):
                 url = used[i % len(used)][0]
                 started.append(infra.Worker(scratch, f"gw-{variant}-{i}", pool="pulse",
                                             concurrency=CONCURRENCY, broker=broker,
@@ -248,8 +256,7 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
         url = first[0]
         for key, label, task, args, n in workloads:
             for rep in range(repeats):
-                for variant in (("direct", "gateway", "gateway2", "gateways2") if rep % 2 == 0
-                                else ("gateways2", "gateway2", "gateway", "direct")):
+                for variant in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
                     infra.log(f"gateway {key} {variant} (#{rep + 1}/{repeats})")
                     measured = _throughput(scratch, store, [first, second], tls[2], variant,
                                            task, args, n)
@@ -291,7 +298,12 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                         "cpu_ms": {variant: {side: statistics.median(
                             r[f"{side}_cpu_ms"] for r in mine if r["variant"] == variant)
                             for side in ("worker", "gateway")}
-                            for variant in ("direct", "gateway", "gateway2", "gateways2")}})
+                            for variant in VARIANTS},
+                        "deep": statistics.median(r["rate"] for r in mine
+                                                  if r["variant"] == "gateway32"),
+                        "deep_ratio": statistics.median(
+                            _by_repeat(mine, "gateway32")[rep] / d
+                            for rep, d in _by_repeat(mine, "direct").items())})
     return {"runs": runs, "summary": summary, "concurrency": CONCURRENCY,
             "renew": {"clients": CLIENTS, "every_s": RENEW_EVERY, "seconds": seconds,
                       "gateway": through, "direct": direct},

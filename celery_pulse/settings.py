@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from celery_pulse.errors import InvalidConfig
+from celery_pulse.limits import concurrency_limit, concurrency_limits, rate_limits
 from celery_pulse.store_urls import STORE_SCHEMES, canonical_store_url, default_store_url, mask_url
 
 ON_LOST_POLICIES = ("redispatch", "review")
@@ -26,7 +27,9 @@ MAX_POOL_SIZE = 64
 #: The per-task options pulse reads (``@app.task(pulse_max_attempts=3)``); a unit test
 #: checks these are exactly the ``getattr(task, "pulse_...")`` names in the package.
 TASK_OPTIONS = frozenset({"pulse_on_lost", "pulse_max_attempts", "pulse_idempotent",
-                          "pulse_concurrency", "pulse_concurrency_key"})
+                          "pulse_concurrency", "pulse_concurrency_key", "pulse_rate_limit",
+                          "pulse_rate_limit_key"})
+__all__ = ["TASK_OPTIONS", "Settings", "concurrency_limit"]
 
 
 def _doc(text: str, default: str) -> dict[str, str]:
@@ -124,6 +127,13 @@ class Settings:
                       "(`\"proj.tasks.charge\": 5`) or of a queue (`\"queue:payments\": 20`, "
                       "by the delivery's routing key) run at once across every worker of "
                       "the store. Overrides the tasks' `pulse_concurrency`.", "{} (none)"))
+    rate_limits: Mapping[str, Any] = dataclasses.field(
+        default_factory=dict,
+        metadata=_doc("Cluster-wide rate limits in Celery's syntax: at most N starts of a "
+                      "name (`\"proj.tasks.send\": \"100/m\"`) or of a queue "
+                      "(`\"queue:emails\": \"300/m\"`) in any window of that length, across "
+                      "every worker of the store (docs/rate-limits.md). Overrides the tasks' "
+                      "`pulse_rate_limit`.", "{} (none)"))
     permit_backlog: int = dataclasses.field(
         default=256, metadata=_doc("Tasks waiting in a worker for a concurrency permit that do "
                                    "not count against its prefetch limit (past it they do).",
@@ -152,7 +162,9 @@ class Settings:
                 object.__setattr__(self, interval, getattr(self, ttl) / 3.0)
         object.__setattr__(self, "store_url", canonical_store_url(self.store_url))
         object.__setattr__(self, "concurrency_limits",
-                           _limits("pulse_concurrency_limits", self.concurrency_limits))
+                           concurrency_limits("pulse_concurrency_limits", self.concurrency_limits))
+        object.__setattr__(self, "rate_limits", rate_limits("pulse_rate_limits",
+                                                            self.rate_limits))
         self._validate()
 
     def _validate(self) -> None:
@@ -255,15 +267,6 @@ class Settings:
         return cls(**kwargs)
 
 
-def concurrency_limit(key: str, value: Any, setting: str) -> int:
-    """A concurrency limit as declared: an integer >= 1 (``key`` names the declaration,
-    ``setting`` the setting or task option it belongs to)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidConfig(f"{key}: a concurrency limit must be an integer >= 1, got "
-                            f"{value!r}", setting=setting)
-    return value
-
-
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
@@ -283,23 +286,10 @@ def _listen_address(value: str) -> str:
                         f"::1) or a host name, got {value!r}", setting="pulse_metrics_address")
 
 
-def _limits(key: str, value: Any) -> dict[str, int]:
-    if not isinstance(value, Mapping):
-        raise InvalidConfig(f"{key}: expected a dict of task names or 'queue:<name>' to "
-                            f"limits, got {value!r}", setting=key)
-    out: dict[str, int] = {}
-    for name, limit in value.items():
-        if not isinstance(name, str) or not name.strip() or name.strip() == "queue:":
-            raise InvalidConfig(f"{key}: {name!r} is neither a task name nor 'queue:<name>'",
-                                setting=key)
-        out[name.strip()] = concurrency_limit(f"{key}[{name!r}]", limit, key)
-    return out
-
-
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     text = str(annotation)
     if text.startswith("Mapping"):
-        return _limits(key, value)
+        return (rate_limits if key == "pulse_rate_limits" else concurrency_limits)(key, value)
     try:
         if text == "float":
             if isinstance(value, timedelta):

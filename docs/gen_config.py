@@ -76,6 +76,9 @@ RULES: dict[str, Rule] = {
                              {"pulse_store_listen_url": "mysql://db/pulse"}),
     "concurrency_limits": Rule("a dict of task names or `queue:<routing key>` to integers >= 1",
                                {"pulse_concurrency_limits": {"proj.tasks.charge": 0}}),
+    "rate_limits": Rule("a dict of task names or `queue:<routing key>` to Celery rates "
+                        "(`\"N/s\"`, `\"N/m\"`, `\"N/h\"`, N >= 1)",
+                        {"pulse_rate_limits": {"proj.tasks.send": "100/d"}}),
     "permit_backlog": Rule("an integer >= 1", {"pulse_permit_backlog": 0}),
     "permit_wait_event": Rule(_POSITIVE, {"pulse_permit_wait_event": 0}),
     "gateway_url": Rule("a `wss://` (or `ws://`) URL, or unset",
@@ -103,6 +106,13 @@ TASK_OPTIONS = [
     ("pulse_concurrency_key", "a callable `(args, kwargs) -> str`",
      "Partitions the limit: each value it returns gets its own `pulse_concurrency` "
      "permits (e.g. at most 2 syncs per customer). Needs a limit.", "none"),
+    ("pulse_rate_limit", "Celery's rate: `\"N/s\"`, `\"N/m\"` or `\"N/h\"`",
+     "At most N starts of this task in any window of that length across every worker "
+     "of the store (a start counts whatever becomes of it); the `pulse_rate_limits` "
+     "setting overrides it. Celery's own `rate_limit` stays per worker.", "unlimited"),
+    ("pulse_rate_limit_key", "a callable `(args, kwargs) -> str`",
+     "Partitions the rate: each value it returns gets its own `pulse_rate_limit` "
+     "(e.g. 10/s per API account). Needs a rate.", "none"),
     ("pulse_idempotent", "a boolean",
      "The task is safe to run again: a lost attempt is re-dispatched like an "
      "`acks_late` task.", "`False`"),

@@ -17,7 +17,7 @@ from typing import Any
 from celery import bootsteps
 from kombu.utils.imports import symbol_by_name
 
-from celery_pulse.errors import PulseError
+from celery_pulse.errors import InvalidConfig, PulseError
 from celery_pulse.settings import Settings, refuse_unknown_task_options
 from celery_pulse.store.sql import open_store
 from celery_pulse.store.sql.engine import EngineOptions
@@ -76,7 +76,6 @@ def _short_redis_visibility(app: Any, settings: Settings) -> None:
 def _gateway_store(w: Any, settings: Settings) -> tuple[Settings, Any]:
     """A gateway worker's store (its gateway connection, made now), and its settings with
     the gateway's lease: never a local deadline longer than the lease the store grants."""
-    from celery_pulse.errors import InvalidConfig
     from celery_pulse.gateway.worker import GatewayStore, connect_worker
 
     queues = list(w.app.amqp.queues.consume_from or w.app.amqp.queues)
@@ -107,7 +106,12 @@ class Runtime(bootsteps.StartStopStep):
             settings = Settings.from_conf(w.app.conf)
             refuse_autoscale(w)
             refuse_unknown_task_options(w.app.tasks)
-            rules = PermitRules.for_app(w.app, settings.concurrency_limits)
+            rules = PermitRules.for_app(w.app, settings.concurrency_limits,
+                                        settings.rate_limits)
+            if settings.gateway_url and rules.rated:
+                raise InvalidConfig("pulse_gateway_url: rate limits (pulse_rate_limit, "
+                                    "pulse_rate_limits) need a direct worker for now",
+                                    setting="pulse_gateway_url")
             if settings.gateway_url:
                 settings, store = _gateway_store(w, settings)
             else:

@@ -154,10 +154,16 @@ class Refusal:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Permit:
     """One of the cluster-wide concurrency permits a start needs: at most ``limit``
-    claims hold ``key`` while ``running``, across every worker of the store."""
+    claims hold ``key`` while ``running``, across every worker of the store.
+
+    With ``window`` (seconds) it is a rate permit instead: at most ``limit`` starts of
+    ``key`` are granted within any ``window`` seconds, across the cluster. A granted
+    start counts for the window whatever becomes of its claim; nothing gives it back.
+    """
 
     key: str
     limit: int
+    window: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -94,6 +94,10 @@ def decide_permits(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str,
     waiting, holds)``, holds as ``(key, task_id, epoch, held)``: held for the granted on
     every key, not held for a waiter only on the keys it found full (it is not counted
     on the others).
+
+    A rate permit (``window`` set) counts starts, not holders (``used`` has the starts
+    of its window): a granted start holds no row of it (:func:`rate_grants` records the
+    start); a waiter is noted like any other.
     """
     granted: list[LeaseKey] = []
     waiting: list[LeaseKey] = []
@@ -107,10 +111,30 @@ def decide_permits(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str,
             for k in keyed:
                 used[k] = used.get(k, 0) + 1
             granted.append(lease)
+            holds += [(k, lease[0], lease[1], True) for k, p in keyed.items()
+                      if p.window is None]
         else:
             waiting.append(lease)
-        holds += [(k, lease[0], lease[1], not full) for k in (full or keyed)]
+            holds += [(k, lease[0], lease[1], False) for k in full]
     return granted, waiting, holds
+
+
+def rate_grants(granted: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]]
+                ) -> list[tuple[str, str, int]]:
+    """``(key, task_id, epoch)`` of each rate permit the granted starts took: the starts
+    a rate's window counts."""
+    return [(key, lease[0], lease[1]) for lease in granted
+            for key, permit in wanted[lease[0]].items() if permit.window is not None]
+
+
+def rate_windows(wanted: Mapping[str, Mapping[str, Permit]]) -> dict[str, float]:
+    """The window of every rate permit asked for (the longest, if asked with several)."""
+    out: dict[str, float] = {}
+    for keyed in wanted.values():
+        for key, permit in keyed.items():
+            if permit.window is not None:
+                out[key] = max(out.get(key, 0.0), permit.window)
+    return out
 
 
 def split_by_permits(permits: Mapping[str, Sequence[Permit]] | None,

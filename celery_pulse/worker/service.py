@@ -98,7 +98,7 @@ class PulseWorker:
                                 lambda *_args: None)
         #: Cluster-wide concurrency limits, and the tasks of this worker waiting for one
         #: (``resume`` is the pool's, bound when the consumer starts).
-        self.rules = rules or PermitRules(settings.concurrency_limits)
+        self.rules = rules or PermitRules(settings.concurrency_limits, settings.rate_limits)
         self.waits = PermitWaits(lambda: self.loop, lambda *_args: None, self.emit,
                                  settings.permit_wait_event)
         self.signals = PermitSignals(store, lambda keys: self.loop.call(self.waits.freed, keys))

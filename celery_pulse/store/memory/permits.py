@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from celery_pulse.store.memory.tables import HoldRow, PermitRow, Tables
 from celery_pulse.store.records import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
-from celery_pulse.store.rules import decide_permits
+from celery_pulse.store.rules import decide_permits, rate_grants, rate_windows
 
 
 def _claim_state(tables: Tables, task_id: str, hold: HoldRow) -> str | None:
@@ -45,16 +45,31 @@ def drop_past(tables: Tables, keys: Sequence[str] | None = None, limit: int = 50
     return len(past)
 
 
+def rate_counted(tables: Tables, now: float, windows: Mapping[str, float]) -> dict[str, int]:
+    """Each rate key's starts inside its window (older ones forgotten first): the rule of
+    :mod:`celery_pulse.store.sql.rates`."""
+    for entry in [e for e, at in tables.rate_starts.items()
+                  if e[0] in windows and at <= now - windows[e[0]]]:
+        del tables.rate_starts[entry]
+    counts: dict[str, int] = {}
+    for key, _, _ in tables.rate_starts:
+        if key in windows:
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def start(tables: Tables, now: float, holder: str, leases: Sequence[LeaseKey], ttl: float,
           needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
     """Start the leases that find room under every permit they need, in order:
     ``(task_id -> lease_until, waiting task ids)``."""
     wanted = {lease[0]: {p.key: p for p in needs[lease[0]]} for lease in leases}
     limits = {key: p.limit for keyed in wanted.values() for key, p in keyed.items()}
+    windows = rate_windows(wanted)
     for key in sorted(limits):
         tables.permits[key] = PermitRow(limits[key], now)
-    drop_past(tables, list(limits))
-    used = holders(tables, list(limits))
+    drop_past(tables, [k for k in limits if k not in windows])
+    used = holders(tables, [k for k in limits if k not in windows])
+    used.update(rate_counted(tables, now, windows))
     live: set[tuple[str, int]] = set()
     for task_id, epoch, token in leases:
         row = tables.claims.get(task_id)
@@ -68,6 +83,8 @@ def start(tables: Tables, now: float, holder: str, leases: Sequence[LeaseKey], t
         row = tables.claims[task_id]
         row.state, row.started_at, row.lease_until = RUNNING, now, now + ttl
         started[task_id] = row.lease_until
+    for key, task_id, epoch in rate_grants(granted, wanted):
+        tables.rate_starts[(key, task_id, epoch)] = now
     if holds:
         moved = {lease[0] for lease in granted + waiting}
         for pair in [pair for pair in tables.holds if pair[1] in moved]:
@@ -97,8 +114,11 @@ def usage(tables: Tables, now: float) -> list[PermitUsage]:
 
 
 def purge(tables: Tables, now: float, older_than: float, limit: int = 500) -> int:
-    """Retention: past holds, and keys nobody asked for in ``older_than`` seconds."""
+    """Retention: past holds, rate starts past the longest window (an hour), and keys
+    nobody asked for in ``older_than`` seconds."""
     dropped = drop_past(tables, None, limit)
+    for entry in [e for e, at in tables.rate_starts.items() if at <= now - 3600.0][:limit]:
+        del tables.rate_starts[entry]
     asked = {key for key, _ in tables.holds}
     idle = [key for key, row in tables.permits.items()
             if row.updated_at < now - older_than and key not in asked][:limit]

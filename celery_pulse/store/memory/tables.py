@@ -157,6 +157,8 @@ class Tables:
     permits: dict[str, PermitRow] = dataclasses.field(default_factory=dict)
     #: ``(key, task_id) -> hold``.
     holds: dict[tuple[str, str], HoldRow] = dataclasses.field(default_factory=dict)
+    #: ``(key, task_id, epoch) -> started_at``: starts a rate limit granted.
+    rate_starts: dict[tuple[str, str, int], float] = dataclasses.field(default_factory=dict)
     results: dict[str, ResultRow] = dataclasses.field(default_factory=dict)
     leaders: dict[str, LeaderRow] = dataclasses.field(default_factory=dict)
     #: ``(entry, due_at) -> slot``.

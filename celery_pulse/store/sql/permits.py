@@ -21,8 +21,8 @@ import sqlalchemy as sa
 
 from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
-from celery_pulse.store.rules import decide_permits
-from celery_pulse.store.sql import pooler
+from celery_pulse.store.rules import decide_permits, rate_grants, rate_windows
+from celery_pulse.store.sql import pooler, rates
 from celery_pulse.store.sql.claim_rows import CHUNK
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.dialect import Dialect
@@ -101,9 +101,11 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
     """
     now = dialect.now()
     wanted, limits = _wanted(leases, needs)
+    windows = rate_windows(wanted)
     lock_keys(conn, dialect, limits)
-    drop_past(conn, list(limits))
-    used = holders(conn, list(limits))
+    drop_past(conn, [k for k in limits if k not in windows])
+    used = holders(conn, [k for k in limits if k not in windows])
+    used.update(rates.counted(conn, dialect, windows))
     live = {(task_id, int(epoch)) for task_id, epoch in conn.execute(
         sa.select(claims.c.task_id, claims.c.epoch).where(
             claims.c.task_id.in_(list(wanted)),
@@ -119,6 +121,7 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
             state=RUNNING, started_at=now, lease_until=now + ttl))
         started = {task_id: float(until) for task_id, until in conn.execute(
             sa.select(claims.c.task_id, claims.c.lease_until).where(claims.c.task_id.in_(ids)))}
+        rates.record(conn, dialect, rate_grants(granted, wanted))
     if rows:
         conn.execute(sa.delete(permit_holds).where(
             permit_holds.c.task_id.in_([lease[0] for lease in granted + waiting])))
@@ -160,6 +163,7 @@ def _pg_sql(now: str) -> dict[str, str]:
         "hold": (
             "INSERT INTO pulse_permit_holds (key, task_id, epoch, held) "
             "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::bool[])"),
+        **rates.pg_sql(now),
     }
 
 
@@ -172,25 +176,34 @@ def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
     that follows the key's lock sees every start that held the lock before it."""
     sql = _pg_sql(dialect.clock)
     wanted, limits = _wanted(leases, needs)
+    windows = rate_windows(wanted)
     keys = sorted(limits)
+    held_keys = [k for k in keys if k not in windows]
     ordered = sorted(leases)
     first = [
         (sql["lock"], (keys, [limits[k] for k in keys])),
-        (sql["drop_past"], (keys,)),
-        (sql["holders"], (keys,)),
+        (sql["drop_past"], (held_keys,)),
+        (sql["holders"], (held_keys,)),
         (sql["live"], ([lease[0] for lease in ordered], [lease[1] for lease in ordered],
                        [lease[2] for lease in ordered], holder)),
+        (sql["rate_drop"], rates.pg_params(windows)),
+        (sql["rate_count"], (sorted(windows),)),
     ]
     decided: dict[str, Any] = {}
 
     def second(rows: list[list[tuple[Any, ...]]]) -> list[tuple[str, Sequence[Any]]]:
         used = {key: int(count) for key, count in rows[2]}
+        used.update({key: int(count) for key, count in rows[5]})
         live = {(task_id, int(epoch)) for task_id, epoch in rows[3]}
         granted, waiting, holds = _decide(leases, wanted, used, live)
         decided.update(granted=granted, waiting=waiting)
         out: list[tuple[str, Sequence[Any]]] = []
         if granted:
             out.append((sql["start"], (ttl, [lease[0] for lease in granted])))
+            grants = rate_grants(granted, wanted)
+            if grants:
+                out.append((sql["rate_record"], ([g[0] for g in grants], [g[1] for g in grants],
+                                                 [g[2] for g in grants])))
         if holds:
             out.append((sql["forget"], ([lease[0] for lease in granted + waiting],)))
             out.append((sql["hold"], ([r["key"] for r in holds], [r["task_id"] for r in holds],
@@ -227,8 +240,10 @@ def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:
 
 
 def purge(conn: sa.Connection, dialect: Dialect, older_than: float, limit: int = 500) -> int:
-    """Retention: past hold rows, and keys nobody asked for in ``older_than`` seconds."""
+    """Retention: past hold rows, rate starts past every window, and keys nobody asked
+    for in ``older_than`` seconds."""
     dropped = drop_past(conn, None, limit)
+    rates.purge(conn, dialect, limit=limit)
     idle = list(conn.execute(
         sa.select(permits.c.key).where(
             permits.c.updated_at < dialect.now() - older_than,

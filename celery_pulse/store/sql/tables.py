@@ -293,3 +293,17 @@ gateway_attempts = sa.Table(
     sa.Index("ix_pulse_gateway_attempts_task", "task_id"),
     **TABLE_OPTIONS,
 )
+
+#: Starts granted under a rate limit (revision 0016), one row per key a start took: a
+#: rate's window counts its key's rows newer than the window. Rows past the longest
+#: window of their key are deleted by the next start of it, and by retention.
+rate_starts = sa.Table(
+    "pulse_rate_starts",
+    metadata,
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("task_id", sa.String(255), primary_key=True),
+    sa.Column("epoch", sa.BigInteger, primary_key=True),
+    sa.Column("started_at", SECONDS, nullable=False),
+    sa.Index("ix_pulse_rate_starts_key", "key", "started_at"),
+    **TABLE_OPTIONS,
+)
