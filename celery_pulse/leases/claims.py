@@ -69,6 +69,8 @@ class LocalClaim:
     dropped_by_pool: Callable[[], bool] | None = None
     #: A start ahead of the pool is in flight; the job waiting for its answer, if any.
     starting: bool = False
+    #: Its last start waited on a rate limit: seconds until the rate may have room.
+    retry_in: float | None = None
     waiting_job: Any = None
     #: When the job went to the pool (monotonic), for the mean run time.
     handed_at: float = 0.0

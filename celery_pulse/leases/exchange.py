@@ -117,6 +117,8 @@ class Exchanger:
         self.table.note_grants(done.reserved)
         self._answer(reserves, done.reserved, sent)
         claims = [op.item for op in starts]
+        for c in claims:
+            c.retry_in = done.retry_in.get(c.task_id)
         self._answer(starts, [WAITING if c.task_id in done.waiting else (
             c.task_id in done.started
             and (c.start_in_background or self.table.mark_running(c, sent)))

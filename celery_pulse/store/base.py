@@ -52,6 +52,7 @@ from celery_pulse.store.records import (
     ReviewItem,
     ScheduleRow,
     Slot,
+    Waiting,
     WorkerInfo,
     mask_token,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "ScheduleRow",
     "Slot",
     "Store",
+    "Waiting",
     "WorkerInfo",
     "mask_token",
 ]

@@ -39,6 +39,7 @@ from celery_pulse.store.records import (
     Registration,
     ReserveRequest,
     ReviewItem,
+    Waiting,
     WorkerInfo,
 )
 
@@ -118,11 +119,11 @@ class ClaimStore(abc.ABC):
         answered ``duplicate``).
         """
         counted: dict[str, tuple[int, str]] = {}
-        waiting: set[str] = set()
+        waiting = Waiting()
         return Exchanged(self.complete(holder, completions, counted) if completions else {},
                          self.reserve(holder, reserves, ttl) if reserves else [],
                          self.start_many(holder, starts, ttl, permits, waiting) if starts
-                         else {}, counted, frozenset(waiting))
+                         else {}, counted, frozenset(waiting), dict(waiting.retry_in))
 
     def begin_exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                        reserves: Sequence[ReserveRequest],

@@ -272,6 +272,22 @@ class Exchanged:
     counted: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
     #: Starts not made for want of a concurrency permit (still reserved, lease unchanged).
     waiting: frozenset[str] = frozenset()
+    #: Of those, the ones that wait on a rate: seconds until it may have room.
+    retry_in: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+class Waiting(set[str]):
+    """The task ids whose start waits for a permit (``start_many``'s ``waiting``), and
+    for those that wait on a rate limit, the seconds until the rate may have room by the
+    store's clock (``retry_in``): a waiter asks again then, not by polling."""
+
+    def __init__(self, *ids: str) -> None:
+        super().__init__(ids)
+        self.retry_in: dict[str, float] = {}
+
+    def add_from(self, other: set[str]) -> None:
+        self.update(other)
+        self.retry_in.update(getattr(other, "retry_in", {}))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

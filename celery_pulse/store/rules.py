@@ -127,6 +127,21 @@ def rate_grants(granted: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, P
             for key, permit in wanted[lease[0]].items() if permit.window is not None]
 
 
+def rate_retry(waiting: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
+               used: Mapping[str, int], oldest: Mapping[str, float]) -> dict[str, float]:
+    """For each waiter held back by a rate: seconds until every full rate of its has
+    room (``oldest[key]``: its oldest start in the window, relative to now, <= 0; none
+    recorded before this call: its starts are now's)."""
+    out: dict[str, float] = {}
+    for lease in waiting:
+        delays = [oldest.get(key, 0.0) + permit.window
+                  for key, permit in wanted[lease[0]].items()
+                  if permit.window is not None and used.get(key, 0) >= permit.limit]
+        if delays:
+            out[lease[0]] = max(0.0, max(delays))
+    return out
+
+
 def rate_windows(wanted: Mapping[str, Mapping[str, Permit]]) -> dict[str, float]:
     """The window of every rate permit asked for (the longest, if asked with several)."""
     out: dict[str, float] = {}

@@ -3,7 +3,8 @@
 A task whose start finds no free permit (:mod:`celery_pulse.worker.permits`) gives its
 pool process back and waits here, still reserved and renewed, until a permit of its keys
 frees: a task of this worker holding one ends (at once), or the next retry (backoff from
-:data:`FIRST_RETRY` to :data:`MAX_RETRY`: the permit may be freed by another worker).
+:data:`FIRST_RETRY` to :data:`MAX_RETRY`: the permit may be freed by another worker). A
+task waiting on a rate limit asks again when the store said the rate has room.
 Tasks waiting for the same keys start in arrival order, one start in flight per keys at
 a time. Everything here runs on the consumer's event loop.
 """
@@ -25,6 +26,9 @@ logger = logging.getLogger("celery_pulse.bootsteps.permits")
 #: Seconds before a task that found no permit asks again, doubling up to MAX_RETRY.
 FIRST_RETRY = 0.05
 MAX_RETRY = 1.0
+#: Added to the time a rate says it has room (this loop's timer and the next statement
+#: must land past the window's edge by the store's clock).
+RATE_MARGIN = 0.002
 
 
 class _Keys:
@@ -88,12 +92,15 @@ class PermitWaits:
                     group.freed = False
                     self._next(keys)
                     return
-                group.delay = min(group.delay * 2, MAX_RETRY)
+                if claim.retry_in is None:
+                    group.delay = min(group.delay * 2, MAX_RETRY)
             else:
                 group.entries.append((claim, job))
                 self.count += 1
                 claim.parked_at = self.monotonic()
-            self._schedule(keys, group, group.delay)
+            # A rate says when it has room (the store's clock): ask then, not by backoff.
+            self._schedule(keys, group, group.delay if claim.retry_in is None
+                           else claim.retry_in + RATE_MARGIN)
             return
         if not resumed or group is None:
             return

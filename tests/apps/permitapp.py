@@ -121,3 +121,16 @@ elif _bad == "key":
     @app.task(name="permitapp.bad_key", pulse_concurrency=1, pulse_concurrency_key="customer")
     def bad_key() -> None:
         """A partition key that is not callable: refused at startup."""
+
+
+@app.task(name="permitapp.rated", bind=True, pulse_rate_limit="20/s")
+def rated(self: Any, path: str, seconds: float) -> float:
+    """At most 20 starts in any second across the cluster (a rate limit)."""
+    return _run(self, path, seconds)
+
+
+@app.task(name="permitapp.rated_per_customer", bind=True, pulse_rate_limit="10/s",
+          pulse_rate_limit_key=lambda args, kwargs: kwargs["customer"])
+def rated_per_customer(self: Any, path: str, seconds: float, customer: int) -> float:
+    """At most 10 starts a second per ``customer`` (a partitioned rate)."""
+    return _run(self, path, seconds, customer)

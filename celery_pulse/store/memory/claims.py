@@ -32,6 +32,7 @@ from celery_pulse.store.records import (
     PermitUsage,
     Refusal,
     ReserveRequest,
+    Waiting,
 )
 from celery_pulse.store.retention import Batch, drain
 from celery_pulse.store.rules import (
@@ -136,7 +137,9 @@ class MemoryClaims(MemoryCore, ClaimStore):
                 moved, wait = memory_permits.start(self.tables, now, holder, limited, ttl,
                                                    permits or {})
                 started.update(moved)
-                if waiting is not None:
+                if isinstance(waiting, Waiting):
+                    waiting.add_from(wait)
+                elif waiting is not None:
                     waiting.update(wait)
             for row in self._live(holder, plain, now, (RESERVED,)):
                 row.state, row.started_at, row.lease_until = RUNNING, now, now + ttl

@@ -13,8 +13,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from celery_pulse.store.memory.tables import HoldRow, PermitRow, Tables
-from celery_pulse.store.records import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
-from celery_pulse.store.rules import decide_permits, rate_grants, rate_windows
+from celery_pulse.store.records import (
+    LIVE_STATES,
+    RESERVED,
+    RUNNING,
+    LeaseKey,
+    Permit,
+    PermitUsage,
+    Waiting,
+)
+from celery_pulse.store.rules import decide_permits, rate_grants, rate_retry, rate_windows
 
 
 def _claim_state(tables: Tables, task_id: str, hold: HoldRow) -> str | None:
@@ -45,21 +53,24 @@ def drop_past(tables: Tables, keys: Sequence[str] | None = None, limit: int = 50
     return len(past)
 
 
-def rate_counted(tables: Tables, now: float, windows: Mapping[str, float]) -> dict[str, int]:
-    """Each rate key's starts inside its window (older ones forgotten first): the rule of
-    :mod:`celery_pulse.store.sql.rates`."""
+def rate_counted(tables: Tables, now: float, windows: Mapping[str, float]
+                 ) -> tuple[dict[str, int], dict[str, float]]:
+    """Each rate key's starts inside its window (older ones forgotten first), and its
+    oldest one's time relative to now: the rule of :mod:`celery_pulse.store.sql.rates`."""
     for entry in [e for e, at in tables.rate_starts.items()
                   if e[0] in windows and at <= now - windows[e[0]]]:
         del tables.rate_starts[entry]
     counts: dict[str, int] = {}
-    for key, _, _ in tables.rate_starts:
+    oldest: dict[str, float] = {}
+    for (key, _, _), at in tables.rate_starts.items():
         if key in windows:
             counts[key] = counts.get(key, 0) + 1
-    return counts
+            oldest[key] = min(oldest.get(key, 0.0), at - now)
+    return counts, oldest
 
 
 def start(tables: Tables, now: float, holder: str, leases: Sequence[LeaseKey], ttl: float,
-          needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
+          needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], Waiting]:
     """Start the leases that find room under every permit they need, in order:
     ``(task_id -> lease_until, waiting task ids)``."""
     wanted = {lease[0]: {p.key: p for p in needs[lease[0]]} for lease in leases}
@@ -69,7 +80,8 @@ def start(tables: Tables, now: float, holder: str, leases: Sequence[LeaseKey], t
         tables.permits[key] = PermitRow(limits[key], now)
     drop_past(tables, [k for k in limits if k not in windows])
     used = holders(tables, [k for k in limits if k not in windows])
-    used.update(rate_counted(tables, now, windows))
+    counts, oldest = rate_counted(tables, now, windows)
+    used.update(counts)
     live: set[tuple[str, int]] = set()
     for task_id, epoch, token in leases:
         row = tables.claims.get(task_id)
@@ -91,7 +103,9 @@ def start(tables: Tables, now: float, holder: str, leases: Sequence[LeaseKey], t
             del tables.holds[pair]
         for key, task_id, epoch, held in holds:
             tables.holds[(key, task_id)] = HoldRow(epoch, held)
-    return started, {lease[0] for lease in waiting}
+    out = Waiting(*(lease[0] for lease in waiting))
+    out.retry_in.update(rate_retry(waiting, wanted, used, oldest))
+    return started, out
 
 
 def usage(tables: Tables, now: float) -> list[PermitUsage]:

@@ -20,8 +20,16 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from celery_pulse.errors import StoreUnavailable
-from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, LeaseKey, Permit, PermitUsage
-from celery_pulse.store.rules import decide_permits, rate_grants, rate_windows
+from celery_pulse.store.base import (
+    LIVE_STATES,
+    RESERVED,
+    RUNNING,
+    LeaseKey,
+    Permit,
+    PermitUsage,
+    Waiting,
+)
+from celery_pulse.store.rules import decide_permits, rate_grants, rate_retry, rate_windows
 from celery_pulse.store.sql import pooler, rates
 from celery_pulse.store.sql.claim_rows import CHUNK
 from celery_pulse.store.sql.connections import Connections
@@ -105,7 +113,8 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
     lock_keys(conn, dialect, limits)
     drop_past(conn, [k for k in limits if k not in windows])
     used = holders(conn, [k for k in limits if k not in windows])
-    used.update(rates.counted(conn, dialect, windows))
+    counts, oldest = rates.counted(conn, dialect, windows)
+    used.update(counts)
     live = {(task_id, int(epoch)) for task_id, epoch in conn.execute(
         sa.select(claims.c.task_id, claims.c.epoch).where(
             claims.c.task_id.in_(list(wanted)),
@@ -126,7 +135,14 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
         conn.execute(sa.delete(permit_holds).where(
             permit_holds.c.task_id.in_([lease[0] for lease in granted + waiting])))
         conn.execute(sa.insert(permit_holds), rows)
-    return started, {lease[0] for lease in waiting}
+    return started, _waiting(waiting, wanted, used, oldest)
+
+
+def _waiting(waiting: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
+             used: Mapping[str, int], oldest: Mapping[str, float]) -> Waiting:
+    out = Waiting(*(lease[0] for lease in waiting))
+    out.retry_in.update(rate_retry(waiting, wanted, used, oldest))
+    return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -193,10 +209,11 @@ def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
 
     def second(rows: list[list[tuple[Any, ...]]]) -> list[tuple[str, Sequence[Any]]]:
         used = {key: int(count) for key, count in rows[2]}
-        used.update({key: int(count) for key, count in rows[5]})
+        used.update({key: int(count) for key, count, _ in rows[5]})
+        decided["oldest"] = {key: min(0.0, float(age)) for key, _, age in rows[5]}
         live = {(task_id, int(epoch)) for task_id, epoch in rows[3]}
         granted, waiting, holds = _decide(leases, wanted, used, live)
-        decided.update(granted=granted, waiting=waiting)
+        decided.update(granted=granted, waiting=waiting, used=used)
         out: list[tuple[str, Sequence[Any]]] = []
         if granted:
             out.append((sql["start"], (ttl, [lease[0] for lease in granted])))
@@ -213,7 +230,8 @@ def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
     results = pipeline.transaction("start", first, second)
     started = {task_id: float(until) for task_id, until in results[0]} if decided.get(
         "granted") else {}
-    return started, {lease[0] for lease in decided.get("waiting", ())}
+    return started, _waiting(decided.get("waiting", ()), wanted, decided.get("used", {}),
+                             decided.get("oldest", {}))
 
 
 def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:
@@ -268,7 +286,9 @@ def start_limited(conns: Connections, pipeline: Pipeline | None, holder: str,
                 start, dialect=conns.dialect, holder=holder, leases=chunk, ttl=ttl,
                 needs=needs))
         started.update(moved)
-        if waiting is not None:
+        if isinstance(waiting, Waiting):
+            waiting.add_from(wait)
+        elif waiting is not None:
             waiting.update(wait)
     return started
 

@@ -26,6 +26,7 @@ from celery_pulse.store.base import (
     Refusal,
     ReserveRequest,
     ResultRecord,
+    Waiting,
 )
 from celery_pulse.store.rules import split_by_permits
 from celery_pulse.store.sql import permits as permits_sql
@@ -92,11 +93,12 @@ class PostgresClaims(BatchClaims):
             done = self.exchange(holder, ttl, completions, reserves, starts) if (
                 completions or reserves or starts) else Exchanged({}, [], {})
             assert done is not None
-            waiting: set[str] = set()
+            waiting = Waiting()
             started = permits_sql.start_limited(self.conns, self.pipeline, holder, limited,
                                                 ttl, permits or {}, waiting)
             return dataclasses.replace(done, started={**done.started, **started},
-                                       waiting=frozenset(waiting))
+                                       waiting=frozenset(waiting),
+                                       retry_in=dict(waiting.retry_in))
         assert self.pipeline is not None
         flight = self.pipeline.begin("exchange", self.exchange_statements(
             holder, ttl, completions, reserves, starts))

@@ -33,18 +33,21 @@ LONGEST_WINDOW = 3600.0
 
 
 def counted(conn: sa.Connection, dialect: Dialect, windows: Mapping[str, float]
-            ) -> dict[str, int]:
-    """Each rate key's starts inside its window now (rows past it deleted first)."""
+            ) -> tuple[dict[str, int], dict[str, float]]:
+    """Each rate key's starts inside its window now (rows past it deleted first), and
+    its oldest one's time relative to now (<= 0: when the window next has room)."""
     if not windows:
-        return {}
+        return {}, {}
     now = dialect.now()
     for key, window in sorted(windows.items()):
         conn.execute(sa.delete(rate_starts).where(rate_starts.c.key == key,
                                                   rate_starts.c.started_at <= now - window))
-    rows = conn.execute(sa.select(rate_starts.c.key, sa.func.count())
-                        .where(rate_starts.c.key.in_(list(windows)))
-                        .group_by(rate_starts.c.key))
-    return {key: int(count) for key, count in rows}
+    rows = list(conn.execute(sa.select(rate_starts.c.key, sa.func.count(),
+                                       sa.func.min(rate_starts.c.started_at) - now)
+                             .where(rate_starts.c.key.in_(list(windows)))
+                             .group_by(rate_starts.c.key)))
+    return ({key: int(count) for key, count, _ in rows},
+            {key: min(0.0, float(oldest)) for key, _, oldest in rows})
 
 
 def record(conn: sa.Connection, dialect: Dialect, grants: Sequence[tuple[str, str, int]]
@@ -78,8 +81,8 @@ def pg_sql(now: str) -> dict[str, str]:
             "DELETE FROM pulse_rate_starts r USING unnest(%s::text[], %s::float8[]) "
             f"AS w(key, win) WHERE r.key = w.key AND r.started_at <= {now} - w.win"),
         "rate_count": (
-            "SELECT key, count(*) FROM pulse_rate_starts WHERE key = ANY(%s::text[]) "
-            "GROUP BY key"),
+            f"SELECT key, count(*), min(started_at) - {now} FROM pulse_rate_starts "
+            "WHERE key = ANY(%s::text[]) GROUP BY key"),
         "rate_record": (
             "INSERT INTO pulse_rate_starts (key, task_id, epoch, started_at) "
             f"SELECT k, t, e, {now} FROM unnest(%s::text[], %s::text[], %s::bigint[]) "

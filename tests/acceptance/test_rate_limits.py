@@ -1,0 +1,160 @@
+"""Cluster-wide rate limits (issue 39): ``pulse_rate_limit="20/s"`` holds across every
+worker, on every store.
+
+The rule is decided in the start's transaction by the store's clock: in any window of the
+declared length, no more than N starts are granted for the key. The tests read it two
+ways: the claims' start times as the store recorded them (exactly the rule), and the
+bodies' own clocks (a body begins a few milliseconds after its start is granted, so that
+check allows 50 ms of jitter off the window).
+
+Real processes: 3 ``celery worker -P pulse -c 4`` on RabbitMQ, PostgreSQL / SQLite /
+MariaDB.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from celery_pulse.store.sql import SqlStore
+from tests.acceptance.test_permits import (  # noqa: F401 (fixtures)
+    Cluster,
+    all_in_state,
+    cluster,
+    ended,
+    penv,
+    producer,
+    runs,
+    store_of,
+)
+from tests.helpers.workers import Env, wait_alive
+
+RATED = "permitapp.rated"
+PER_CUSTOMER = "permitapp.rated_per_customer"
+LIMIT, WINDOW = 20, 1.0
+JITTER = 0.05
+
+
+@pytest.fixture(params=["postgres", "sqlite", "mariadb"])
+def any_store(request: pytest.FixtureRequest) -> str:
+    url: str = request.getfixturevalue({"postgres": "pg_url", "sqlite": "sqlite_url",
+                                        "mariadb": "mariadb_url"}[request.param])
+    return url
+
+
+def most_in_a_window(times: Iterable[float], window: float) -> int:
+    """The most of ``times`` inside any half-open window ``(t - window, t]``."""
+    ordered = sorted(times)
+    return max(sum(1 for s in ordered if t - window < s <= t) for t in ordered)
+
+
+def store_starts(store: SqlStore, ids: list[str]) -> list[float]:
+    """The start time the store recorded for each claim (its clock)."""
+    with store.engine.connect() as conn:
+        return [float(t) for t in conn.execute(sa.text(
+            "SELECT started_at FROM pulse_claims WHERE task_id IN :ids").bindparams(
+            sa.bindparam("ids", expanding=True)), {"ids": ids}).scalars()]
+
+
+def test_a_rate_limit_holds_across_three_workers_on_every_store(
+        any_store: str, rabbitmq_url: str, tmp_path: Path, penv: Callable[..., Env],  # noqa: F811
+        cluster: Cluster, store_of: Callable[[str], SqlStore]) -> None:  # noqa: F811
+    """3 workers x ``-c 4``, 200 tasks of 10 ms under 20/s published at once: never more
+    than 20 starts in any second, by the store's record and by the bodies' clocks; each
+    task once; and the limit binds (the last start comes at least 9 s after the first,
+    200 / 20 - 1), without lagging far behind it."""
+    n = 200
+    env = penv(any_store, rabbitmq_url)
+    store = store_of(any_store)
+    journal = tmp_path / "journal.txt"
+    ws = tuple(cluster.worker(env, f"r{i}@%h", concurrency=4) for i in range(3))
+    cluster.ready(*ws)
+    with producer(env) as client:
+        ids = [client.send_task(RATED, (str(journal), 0.01)).id for _ in range(n)]
+    wait_alive(lambda: ended(journal, RATED) == n, 90, f"all {n} tasks to end", ws)
+    wait_alive(lambda: all_in_state(any_store, ids, "succeeded"), 30, "every claim", ws)
+
+    done = runs(journal, RATED)
+    assert sorted(r.task_id for r in done) == sorted(ids)  # each exactly once
+    recorded = store_starts(store, ids)
+    assert most_in_a_window(recorded, WINDOW) <= LIMIT
+    bodies = [r.start.at for r in done]
+    assert most_in_a_window(bodies, WINDOW - JITTER) <= LIMIT
+    span = max(recorded) - min(recorded)
+    print(f"\n[{any_store.split(':')[0]}] {n} starts at {LIMIT}/s over {span:.2f} s "
+          f"(ideal {n / LIMIT - 1:.0f} s); busiest second by the store: "
+          f"{most_in_a_window(recorded, WINDOW)}")
+    assert span >= n / LIMIT - 1 - 0.01  # the limit bound: it was never above it
+    assert span <= (n / LIMIT - 1) * 1.3  # and waiters were not left far behind it
+
+
+@pytest.mark.parametrize("how", ["killed", "rolling"])
+def test_workers_replaced_mid_run_never_go_above_the_rate(
+        rabbitmq_url: str, pg_url: str, tmp_path: Path, penv: Callable[..., Env],  # noqa: F811
+        cluster: Cluster, store_of: Callable[[str], SqlStore], how: str) -> None:  # noqa: F811
+    """The same, with two of the three workers replaced mid-run: SIGKILLed then new ones
+    started (a start granted to a killed worker still counts for its second), or a
+    rolling restart (the new ones ready before the old ones get SIGTERM and finish what
+    they hold): the new workers are held to the same rate, never above it."""
+    n = 160
+    # A body running when its worker is killed runs again (redispatch), not to review.
+    env = penv(pg_url, rabbitmq_url, {"pulse_lease_ttl": 4, "pulse_recover_interval": 0.5,
+                                      "pulse_on_lost": "redispatch"})
+    store = store_of(pg_url)
+    journal = tmp_path / "journal.txt"
+    ws = [cluster.worker(env, f"k{i}@%h", concurrency=4) for i in range(3)]
+    cluster.ready(*ws)
+    with producer(env) as client:
+        ids = [client.send_task(RATED, (str(journal), 0.01)).id for _ in range(n)]
+    wait_alive(lambda: ended(journal, RATED) >= 60, 60, "a third of the tasks", ws)
+    if how == "killed":
+        for w in ws[:2]:
+            w.proc.send_signal(signal.SIGKILL)
+            w.proc.wait(10)
+    fresh = [cluster.worker(env, f"n{i}@%h", concurrency=4) for i in range(2)]
+    cluster.ready(*fresh)
+    if how == "rolling":
+        for w in ws[:2]:
+            w.proc.send_signal(signal.SIGTERM)
+        for w in ws[:2]:
+            w.proc.wait(60)
+    alive = (ws[2], *fresh)
+    wait_alive(lambda: all_in_state(pg_url, ids, "succeeded"), 120, "every claim", alive)
+    with store.engine.connect() as conn:
+        granted = [float(t) for t in conn.execute(sa.text(
+            "SELECT started_at FROM pulse_rate_starts WHERE key = :k"),
+            {"k": f"rate:task:{RATED}"}).scalars()]
+    # Every start granted in the last window is still recorded (older ones are purged by
+    # the next start); all claims' final starts are, by the store's record:
+    assert most_in_a_window(store_starts(store, ids), WINDOW) <= LIMIT
+    assert most_in_a_window(granted, WINDOW) <= LIMIT
+    bodies = [r.start.at for r in runs(journal, RATED)]
+    assert most_in_a_window(bodies, WINDOW - JITTER) <= LIMIT
+    assert time.time() - max(bodies) < 60
+
+
+def test_a_keyed_rate_gives_each_key_its_own_rate(
+        pg_url: str, rabbitmq_url: str, tmp_path: Path, penv: Callable[..., Env],  # noqa: F811
+        cluster: Cluster, store_of: Callable[[str], SqlStore]) -> None:  # noqa: F811
+    """10/s per customer, two customers, 40 tasks each on 2 workers x ``-c 4``: each
+    customer never above 10 in a second, and the two together go above it (each key has
+    its own rate)."""
+    env = penv(pg_url, rabbitmq_url)
+    journal = tmp_path / "journal.txt"
+    ws = tuple(cluster.worker(env, f"p{i}@%h", concurrency=4) for i in range(2))
+    cluster.ready(*ws)
+    with producer(env) as client:
+        for i in range(80):
+            client.send_task(PER_CUSTOMER, (str(journal), 0.01), {"customer": i % 2})
+    wait_alive(lambda: ended(journal, PER_CUSTOMER) == 80, 60, "all 80 tasks to end", ws)
+    done = runs(journal, PER_CUSTOMER)
+    for customer in ("0", "1"):
+        mine = [r.start.at for r in done if r.start.key == customer]
+        assert len(mine) == 40
+        assert most_in_a_window(mine, WINDOW - JITTER) <= 10
+    assert most_in_a_window([r.start.at for r in done], WINDOW - JITTER) > 10
