@@ -128,14 +128,16 @@ def store_state(url: str) -> dict[str, int]:
             "hold_rows": rows}
 
 
-def run_one(scratch: infra.Scratch, database_url: str, variant: str, workload: Workload
-            ) -> dict[str, Any]:
-    """One measured run of ``workload`` under ``variant``'s limit; returns its figures."""
+def run_one(scratch: infra.Scratch, database_url: str, variant: str, workload: Workload,
+            conf: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One measured run of ``workload`` under ``variant``'s limit (or, given ``conf``,
+    under that configuration: benchmarks/rates.py); returns its figures."""
     broker_url = infra.BROKERS["rabbitmq"]
     queue = f"bench-pm-{uuid.uuid4().hex[:10]}"
     path = scratch.path("spans")
-    limit = VARIANTS[variant]
-    conf = {"pulse_concurrency_limits": {workload.task: limit}} if limit is not None else None
+    limit = VARIANTS.get(variant)
+    if conf is None and limit is not None:
+        conf = {"pulse_concurrency_limits": {workload.task: limit}}
     meter = throughput.PgBackends(database_url)
     with contextlib.ExitStack() as stack:
         stack.callback(meter.close)
@@ -191,6 +193,7 @@ def run_one(scratch: infra.Scratch, database_url: str, variant: str, workload: W
         "elapsed_s": elapsed, "rate": n / elapsed, "startup_s": ready - worker.started,
         "most_at_once": most_at_once(spans), "spans": len(spans),
         "handover_ms": handover_ms(spans) if limit == 1 else None,
+        "starts": sorted(start for start, _ in spans),
         "cpu_ms_per_task": {
             "parent": 1000 * infra.cpu_delta(parent0, parent1) / n,
             "children": 1000 * infra.cpu_delta(children0, children1) / n,
@@ -214,6 +217,7 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                     f"permits {workload.key} {variant}")
                 result["repeat"] = rep
                 result["disturbed_attempts"] = disturbed
+                del result["starts"]  # benchmarks/rates.py's (the bodies' start times)
                 infra.log(f"  {result['rate']:.0f} tasks/s in {result['elapsed_s']:.2f}s, "
                           f"at most {result['most_at_once']} at once, "
                           f"{result['held_left']} held / {result['waiting_left']} waiting / "

@@ -695,6 +695,7 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
              "unlimited one", lambda d, ls: _md_permits(d, ls, img))
     _section(lines, results, "gateway", "10. Through the lease gateway (issue 18)",
              _md_gateway)
+    _section(lines, results, "rates", "13. Cluster-wide rate limits (issue 39)", _md_rates)
     _section(lines, results, "retention", "11. Retention at the highest task rate (issue 35)",
              retention.markdown)
     _section(lines, results, "wakeup", "12. A limited task's wake-up without LISTEN "
@@ -1388,6 +1389,25 @@ def _permits_meaning(pm: dict[str, Any]) -> str:
                          f"({r['held_left']} held, {r['waiting_left']} waiting, "
                          f"{r['live_left']} claims live)" for r in left) + "**.")
     return text
+
+
+def _md_rates(rt: dict[str, Any], lines: list[str]) -> None:
+    from benchmarks import rates as section
+
+    lines += [(section.__doc__ or "").split("\n\n", 1)[1].strip(), "",
+              "| Workload | variant | tasks/s (median) | vs unlimited | start delay past the "
+              "window p50 / p99 | CPU ms per task: parent / children / store |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in rt["summary"]:
+        cpu = r["cpu_ms_per_task"]
+        variant = (f"rate {r['limit_per_s']}/s (binds)" if r["variant"] == "rate-binds"
+                   else {"unlimited": "unlimited", "rate-never-binds":
+                         f"rate {rt['never']} (never binds)"}[r["variant"]])
+        delay = ("—" if r["delay_ms"] is None
+                 else f"{r['delay_ms'][0]:.1f} / {r['delay_ms'][1]:.1f} ms")
+        lines.append(f"| {rt['workloads'][r['workload']]} | {variant} | {num(r['rate'])} | "
+                     f"{ratio(r['ratio'])} | {delay} | {cpu['parent']:.2f} / "
+                     f"{cpu['children']:.2f} / {store_cpu(cpu):.2f} |")
 
 
 def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:

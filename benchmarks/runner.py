@@ -25,6 +25,7 @@ from benchmarks import (
     memory,
     permits,
     profile,
+    rates,
     recovery,
     report,
     retention,
@@ -48,6 +49,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "retention": retention.run,
     "memory": memory.run,
     "wakeup": wakeup.run,
+    "rates": rates.run,
 }
 
 #: Sections run only when named in ``--only`` (the memory one takes 10-40 minutes).
