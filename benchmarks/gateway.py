@@ -42,7 +42,8 @@ RENEW_EVERY = 1.0
 VARIANTS = ("direct", "gateway", "gateway2", "gateways2", "gateway32")
 #: The prefetch multiplier of the ``gateway32`` variant (capacity 16 x -c 2).
 DEEP_MULTIPLIER = 16
-CAPABILITIES = [{"handler": "bench.hold", "handler_version": "1", "payload_version": "1"}]
+#: The tasks the renewal clients run (capabilities route tasks: docs/gateway.md).
+CAPABILITIES = [{"handler": "bench.noop", "handler_version": "1", "payload_version": "1"}]
 
 
 @contextlib.contextmanager

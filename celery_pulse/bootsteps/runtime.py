@@ -108,10 +108,6 @@ class Runtime(bootsteps.StartStopStep):
             refuse_unknown_task_options(w.app.tasks)
             rules = PermitRules.for_app(w.app, settings.concurrency_limits,
                                         settings.rate_limits)
-            if settings.gateway_url and rules.rated:
-                raise InvalidConfig("pulse_gateway_url: rate limits (pulse_rate_limit, "
-                                    "pulse_rate_limits) need a direct worker for now",
-                                    setting="pulse_gateway_url")
             if settings.gateway_url:
                 settings, store = _gateway_store(w, settings)
             else:

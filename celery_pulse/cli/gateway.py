@@ -89,7 +89,8 @@ def gateway_command(ctx: click.Context, bind: str, certfile: str | None, keyfile
                           max_attempts=settings.max_attempts,
                           events=GatewayEvents(ctx.obj.app, freq=Limits().session_ttl / 3),
                           state=store.gateway_state, allowed_origins=allowed_origins,
-                          concurrency_limits=settings.concurrency_limits)
+                          concurrency_limits=settings.concurrency_limits,
+                          rate_limits=settings.rate_limits)
         # Recover runs here too: a cluster of gateway workers alone still has its expired
         # claims taken over (retention stays with the direct workers' leader).
         recoverer = Recoverer(

@@ -129,10 +129,13 @@ class AttemptRef:
 @dataclass(frozen=True, slots=True)
 class PermitAsk:
     """A concurrency permit a start needs: at most ``limit`` running attempts hold ``key``
-    across every worker of the store (the worker's ``pulse_concurrency`` declarations)."""
+    across every worker of the store (the worker's ``pulse_concurrency`` declarations);
+    with ``window_ms``, a rate: at most ``limit`` starts of ``key`` in any window of that
+    length (``pulse_rate_limit``)."""
 
     key: str
     limit: int
+    window_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +200,8 @@ MAX_QUEUE_ID: Final = 255
 MAX_PERMITS: Final = 8
 MAX_PERMIT_KEY: Final = 255
 MAX_PERMIT_LIMIT: Final = 1_000_000
+#: A rate's window: Celery's units, a second to an hour.
+RATE_WINDOWS_MS: Final = (1000, 60_000, 3_600_000)
 MAX_ERROR_MESSAGE: Final = 1024
 
 

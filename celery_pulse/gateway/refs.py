@@ -17,6 +17,7 @@ from celery_pulse.gateway.protocol import (
     MAX_PERMIT_KEY,
     MAX_PERMIT_LIMIT,
     MAX_PERMITS,
+    RATE_WINDOWS_MS,
     AttemptRef,
     PermitAsk,
     Start,
@@ -27,6 +28,7 @@ from celery_pulse.gateway.wire import decimal, exact, identifier, integer, inval
 _LEASE_SECRET = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 REF_FIELDS = frozenset({"task_id", "attempt_id", "epoch", "lease_secret"})
 PERMIT_FIELDS = frozenset({"key", "limit"})
+PERMIT_OPTIONAL = frozenset({"window_ms"})
 QUERY_FIELDS = frozenset({"task_id"})
 
 
@@ -51,12 +53,18 @@ def read_start(obj: Any, path: str) -> Start:
             invalid(f"{path}.permits must be a list of 1 to {MAX_PERMITS} entries")
         for index, item in enumerate(raw):
             where = f"{path}.permits[{index}]"
-            entry = exact(item, where, PERMIT_FIELDS)
+            entry = exact(item, where, PERMIT_FIELDS, PERMIT_OPTIONAL)
             key = string(entry, "key", where)
             if not (1 <= len(key) <= MAX_PERMIT_KEY and key.isprintable()) or key in permits:
                 invalid(f"{where}.key must be 1 to {MAX_PERMIT_KEY} printable characters, "
                         f"each key once")
-            permits[key] = PermitAsk(key, integer(entry, "limit", where, 1, MAX_PERMIT_LIMIT))
+            window = None
+            if "window_ms" in entry:
+                window = integer(entry, "window_ms", where, 1, RATE_WINDOWS_MS[-1])
+                if window not in RATE_WINDOWS_MS:
+                    invalid(f"{where}.window_ms must be one of {RATE_WINDOWS_MS}")
+            permits[key] = PermitAsk(key, integer(entry, "limit", where, 1, MAX_PERMIT_LIMIT),
+                                     window)
     ref = read_ref(obj, path)
     return Start(ref.task_id, ref.attempt_id, ref.epoch, ref.lease_secret,
                  tuple(permits.values()))
@@ -71,7 +79,8 @@ def wire_ref(ref: AttemptRef) -> dict[str, Any]:
     wire: dict[str, Any] = {"task_id": ref.task_id, "attempt_id": ref.attempt_id,
                             "epoch": str(ref.epoch), "lease_secret": ref.lease_secret}
     if isinstance(ref, Start) and ref.permits:
-        wire["permits"] = [{"key": p.key, "limit": p.limit} for p in ref.permits]
+        wire["permits"] = [{"key": p.key, "limit": p.limit} | (
+            {} if p.window_ms is None else {"window_ms": p.window_ms}) for p in ref.permits]
     return wire
 
 

@@ -97,13 +97,14 @@ class Gateway(Handshake, Operations):
                  max_attempts: int = 3, name: str | None = None,
                  events: GatewayEvents | None = None, state: GatewayState | None = None,
                  allowed_origins: tuple[str, ...] = (),
-                 concurrency_limits: Mapping[str, int] | None = None) -> None:
+                 concurrency_limits: Mapping[str, int] | None = None,
+                 rate_limits: Mapping[str, tuple[int, float]] | None = None) -> None:
         limits = limits or Limits()
         if lease_ttl is not None:
             limits = dataclasses.replace(limits, lease_ttl=min(lease_ttl, limits.lease_ttl))
         super().__init__(now, limits, store=store, app=app, on_lost=on_lost,
                          max_attempts=max_attempts, name=name, events=events, state=state,
-                         permits=StartPermits(concurrency_limits, app))
+                         permits=StartPermits(concurrency_limits, app, rate_limits))
         self.credentials = credentials
         self.allowed_origins = frozenset(allowed_origins)
         self._credentials_now: dict[str, Credential] = {}

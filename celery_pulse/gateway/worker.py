@@ -161,8 +161,10 @@ class GatewayStore(RegistryStore, ClaimStore):
                 body: Mapping[str, Any] = assigned.ref
                 needs = permits.get(task_id) if permits else None
                 if needs:
-                    body = {**body, "permits": [{"key": p.key, "limit": p.limit}
-                                                for p in needs]}
+                    body = {**body, "permits": [
+                        {"key": p.key, "limit": p.limit} | (
+                            {} if p.window is None else {"window_ms": round(p.window * 1000)})
+                        for p in needs]}
                 asked.append((task_id, assigned, self.client.submit(kind, body)))
         return asked
 

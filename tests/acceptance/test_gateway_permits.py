@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery
 
 from celery_pulse.store.sql import SqlStore
@@ -124,6 +125,32 @@ def test_the_gateways_queue_limit_binds_a_worker_configured_alike_and_stops_one_
     assert _most_at_once(runs) == 1
     for result in results:
         assert claim_of(gateway_store, result.id).state == "succeeded"
+
+
+def test_a_rate_limit_holds_across_two_remote_workers(
+        env: Env, client_app: Celery, gateway_store: SqlStore,
+        remote: Callable[..., Worker]) -> None:
+    """``pulse_rate_limit="5/s"`` on two remote workers of 3 processes: the starts the
+    store recorded never number more than 5 in any second, the bodies' by 50 ms of jitter
+    less; 20 tasks take at least 3 s (20 / 5 - 1), each once."""
+    remote("remote-rate1@edge", concurrency=3).wait_ready(60)
+    remote("remote-rate2@edge", concurrency=3).wait_ready(60)
+    folder = env.tmp / "rated"
+    folder.mkdir()
+    results = [client_app.send_task("gatewayapp.rated", (str(folder), 0.01), queue=env.queue)
+               for _ in range(20)]
+    assert [r.get(timeout=60) for r in results] == [1] * 20
+    with gateway_store.engine.connect() as conn:
+        recorded = sorted(float(t) for t in conn.execute(sa.text(
+            "SELECT started_at FROM pulse_claims WHERE task_id IN :ids").bindparams(
+            sa.bindparam("ids", expanding=True)), {"ids": [r.id for r in results]}).scalars())
+    bodies = sorted(run[0] for run in _runs(folder))
+
+    def most(times: list[float], window: float) -> int:
+        return max(sum(1 for s in times if t - window < s <= t) for t in times)
+    assert most(recorded, 1.0) == 5
+    assert most(bodies, 0.95) <= 5
+    assert recorded[-1] - recorded[0] >= 3.0 - 0.01
 
 
 # -- the protocol, spoken raw to the real gateway -------------------------------------

@@ -149,3 +149,9 @@ if app.conf.get("test_newer_deploy"):  # a task only the newer deploy's workers 
     def newer(self: Any) -> str:
         """The worker that ran it (its node name)."""
         return str(self.request.hostname)
+
+
+@app.task(name="gatewayapp.rated", pulse_rate_limit="5/s")
+def rated(folder: str, seconds: float) -> int:
+    """At most 5 starts in any second across the cluster (the gateway counts them)."""
+    return _interval(folder, seconds, "")

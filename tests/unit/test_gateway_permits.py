@@ -53,9 +53,36 @@ def test_a_task_option_the_gateways_app_registered_is_required_too() -> None:
     def limited() -> None: ...
 
     gateway = StartPermits(app=app)
-    assert gateway.required("q", "app.limited") == {"task:app.limited": 4}
+    assert gateway.required("q", "app.limited") == {"task:app.limited": (4, None)}
     assert gateway.required("q", "app.unknown") == {}
     assert gateway.decide("q", "app.limited", (PermitAsk("task:app.limited", 9),)) == (
         Permit("task:app.limited", 4),)
     with pytest.raises(ProtocolError):
         gateway.decide("q", "app.limited", ())
+
+
+def test_a_rate_is_a_permit_with_its_window_behind_rate_keys() -> None:
+    asked = (PermitAsk("rate:task:app.send[acme]", 10, 1000),
+             PermitAsk("rate:queue:q", 300, 60_000))
+    assert StartPermits().decide("q", "app.send", asked) == (
+        Permit("rate:task:app.send[acme]", 10, 1.0), Permit("rate:queue:q", 300, 60.0))
+
+
+@pytest.mark.parametrize("ask", [PermitAsk("rate:task:app.other", 1, 1000),
+                                 PermitAsk("rate:queue:other", 1, 1000),
+                                 PermitAsk("rate:task:app.send", 1),  # a rate needs its window
+                                 PermitAsk("task:app.send", 1, 1000)])  # and only a rate has one
+def test_a_rate_of_another_task_or_without_its_window_is_forbidden(ask: PermitAsk) -> None:
+    with pytest.raises(ProtocolError) as refused:
+        StartPermits().decide("q", "app.send", (ask,))
+    assert refused.value.code == Code.FORBIDDEN
+
+
+def test_the_gateways_rate_setting_overrides_and_is_required() -> None:
+    gateway = StartPermits(rates={"app.send": (20, 1.0), "queue:q": (100, 60.0)})
+    asked = (PermitAsk("rate:task:app.send", 1000, 1000), PermitAsk("rate:queue:q", 5, 1000))
+    assert gateway.decide("q", "app.send", asked) == (
+        Permit("rate:task:app.send", 20, 1.0), Permit("rate:queue:q", 100, 60.0))
+    with pytest.raises(ProtocolError) as refused:
+        gateway.decide("q", "app.send", asked[:1])
+    assert "rate:queue:q" in refused.value.message

@@ -64,7 +64,12 @@ from celery_pulse.gateway.frames import (
     new_id,
 )
 from celery_pulse.gateway.link import Limits
-from celery_pulse.gateway.protocol import MAX_PERMIT_KEY, MAX_PERMIT_LIMIT, MAX_PERMITS
+from celery_pulse.gateway.protocol import (
+    MAX_PERMIT_KEY,
+    MAX_PERMIT_LIMIT,
+    MAX_PERMITS,
+    RATE_WINDOWS_MS,
+)
 from celery_pulse.gateway.receipts import (
     DISPOSITIONS,
     OUTCOME_STATES,
@@ -189,7 +194,9 @@ def test_body_field_sets_are_the_codecs_readers() -> None:
     assert properties("attempt_ref") == required("attempt_ref") == refs.REF_FIELDS
     assert required("start_body") == refs.REF_FIELDS
     assert properties("start_body") == refs.REF_FIELDS | {"permits"} == _fields(Start)
-    assert properties("permit") == required("permit") == refs.PERMIT_FIELDS == _fields(PermitAsk)
+    assert required("permit") == refs.PERMIT_FIELDS
+    assert properties("permit") == refs.PERMIT_FIELDS | refs.PERMIT_OPTIONAL == _fields(PermitAsk)
+    assert DEFS["permit"]["properties"]["window_ms"]["enum"] == list(RATE_WINDOWS_MS)
     assert properties("capacity_body") == required("capacity_body") == frames._CAPACITY_FIELDS
     assert required("finish_body") == frames._FINISH_FIELDS
     assert properties("finish_body") == frames._FINISH_FIELDS | frames._FINISH_OPTIONAL
@@ -247,7 +254,8 @@ RECORDS: dict[str, Any] = {
     "worker.resume": AttemptRef(TASK, ATTEMPT, 3, "tok"),
     "worker.capacity": CapacityUpdate(INT64_MAX, 0, True),
     "task.start": Start(TASK, ATTEMPT, 0, "a" * 128, (PermitAsk("task:app.x[1]", 3),
-                                                      PermitAsk("queue:q", MAX_PERMIT_LIMIT))),
+                                                      PermitAsk("queue:q", MAX_PERMIT_LIMIT),
+                                                      PermitAsk("rate:task:app.x", 5, 60_000))),
     "task.renew": AttemptRef(TASK, ATTEMPT, INT64_MAX, "x"),
     "task.finish": Finish(AttemptRef(TASK, ATTEMPT, 1, "t"), "FAILED", {"why": None}, "E.x:1-_"),
     "task.query": TaskQuery(TASK),
@@ -485,6 +493,10 @@ CLIENT_INVALID: dict[str, dict[str, Any]] = {
     "permit key with a newline": _set("task.start", "body.permits", [{"key": "a\nb", "limit": 1}]),
     "permit with another field": _set("task.start", "body.permits",
                                       [{"key": "task:x", "limit": 1, "x": 1}]),
+    "permit window_ms 2000": _set("task.start", "body.permits",
+                                  [{"key": "rate:task:x", "limit": 1, "window_ms": 2000}]),
+    "permit window_ms a string": _set("task.start", "body.permits",
+                                      [{"key": "rate:task:x", "limit": 1, "window_ms": "1000"}]),
     "permits on a renewal": _set("task.renew", "body.permits", [{"key": "task:x", "limit": 1}]),
     "queue_id empty": _set("worker.hello", "body.queue_id", ""),
     "lease_secret 129 characters": _set("task.start", "body.lease_secret", "s" * 129),
@@ -684,7 +696,9 @@ BODIES_OF = {
          "lease_secret": lease_secrets},
         optional={"permits": st.lists(st.fixed_dictionaries(
             {"key": st.text(chars, min_size=1, max_size=MAX_PERMIT_KEY),
-             "limit": st.integers(1, MAX_PERMIT_LIMIT)}), min_size=1, max_size=MAX_PERMITS,
+             "limit": st.integers(1, MAX_PERMIT_LIMIT)},
+            optional={"window_ms": st.sampled_from(RATE_WINDOWS_MS)}), min_size=1,
+            max_size=MAX_PERMITS,
             unique_by=lambda p: p["key"])}),
     "task.query": st.fixed_dictionaries({"task_id": hex_ids}),
     "worker.capacity": st.fixed_dictionaries({"sequence": decimals,
