@@ -695,11 +695,11 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
              "unlimited one", lambda d, ls: _md_permits(d, ls, img))
     _section(lines, results, "gateway", "10. Through the lease gateway (issue 18)",
              _md_gateway)
-    _section(lines, results, "rates", "13. Cluster-wide rate limits (issue 39)", _md_rates)
     _section(lines, results, "retention", "11. Retention at the highest task rate (issue 35)",
              retention.markdown)
     _section(lines, results, "wakeup", "12. A limited task's wake-up without LISTEN "
              "(PgBouncer, issue 36)", wakeup.markdown)
+    _section(lines, results, "rates", "13. Cluster-wide rate limits (issue 39)", _md_rates)
     lines += ["", "## How the runner measures", "",
               "- Every broker queue, PostgreSQL schema, MariaDB database and SQLite file is fresh "
               "per run and migrated first; every process the runner starts lives in its own process group "
