@@ -157,7 +157,11 @@ def status_lines(payload: dict[str, Any]) -> list[str]:
                  f"waiting for redelivery, {c['expired']} expired, {c['succeeded']} "
                  f"succeeded, {c['failed']} failed, {c['revoked']} revoked")
     for permit in payload["permits"]:
-        if permit["running"] or permit["waiting"]:
+        if (permit["running"] or permit["waiting"]) and permit.get("window") is not None:
+            lines.append(f"rate {permit['key']}: {permit['running']} of {permit['limit']} "
+                         f"started in the last {permit['window']:g}s, {permit['waiting']} "
+                         f"waiting")
+        elif permit["running"] or permit["waiting"]:
             lines.append(f"permits {permit['key']}: {permit['running']} of {permit['limit']} "
                          f"running, {permit['waiting']} waiting")
     lines.append(retention_line(payload["retention"]))

@@ -178,6 +178,8 @@ class PermitUsage:
     waiting: int
     #: Store time the oldest waiter began (its reservation); None: nobody. Not compared.
     oldest_waiting_since: float | None = dataclasses.field(default=None, compare=False)
+    #: A rate's window (seconds): then ``running`` is the starts granted within it.
+    window: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

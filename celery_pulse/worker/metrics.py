@@ -118,7 +118,8 @@ class PulseCollector:
             epochs.add_metric([key], epoch)
         yield epochs
         for name, doc, attr in (("limit", "Concurrency limit", "limit"),
-                                ("held", "Running claims holding a permit", "running"),
+                                ("held", "Running claims holding a permit (a rate: starts "
+                                          "in its window)", "running"),
                                 ("waiting", "Reserved claims waiting for a permit", "waiting")):
             family = self.gauge(f"pulse_cluster_permit_{name}", f"{doc}, by key",
                                 labels=["key"])

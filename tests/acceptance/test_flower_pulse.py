@@ -25,7 +25,14 @@ from urllib.parse import urlencode
 
 import pytest
 
-from celery_pulse.store.base import NEEDS_REVIEW, Completion, Grant, Message, ReserveRequest
+from celery_pulse.store.base import (
+    NEEDS_REVIEW,
+    Completion,
+    Grant,
+    Message,
+    Permit,
+    ReserveRequest,
+)
 from celery_pulse.store.sql import SqlStore, open_store
 from tests.helpers.services import IN_CI
 from tests.helpers.workers import ROOT, Env, Worker, wait_for
@@ -235,6 +242,28 @@ def test_claims_api_filters_paginates_and_answers_400_naming_valid_values(
                  f"/pulse/claim/{one}"):
         assert f.get(path).status == 200, path
     assert 'href="/pulse"' in f.get("/workers").text  # "Pulse" in Flower's own navbar
+
+
+def test_the_permits_page_shows_a_rate_as_starts_per_window(
+        flower: Callable[..., PulseFlower], store: SqlStore) -> None:
+    """A rate key (issue 39) is shown with its window, the starts in it and its waiters,
+    beside a concurrency key with its holders."""
+    rate, permit = Permit("rate:task:page.charge", 2, 60.0), Permit("task:page.refund", 5)
+    charges = [seed(store) for _ in range(3)]
+    refund = seed(store, name="page.refund")
+    waiting: set[str] = set()
+    started = store.start_many(HOLDER, [(g.task_id, g.epoch, g.token) for g in charges], 60,
+                               {g.task_id: [rate] for g in charges}, waiting)
+    assert len(started) == 2 and len(waiting) == 1
+    assert store.start_many(HOLDER, [(refund.task_id, refund.epoch, refund.token)], 60,
+                            {refund.task_id: [permit]})
+    f = flower(variables=OPEN_API)
+    rows = {p["key"]: p for p in f.get("/api/pulse/permits").ok()["permits"]}
+    assert (rows["rate:task:page.charge"]["window"], rows["rate:task:page.charge"]["held"],
+            rows["rate:task:page.charge"]["waiting"]) == (60.0, 2, 1)
+    assert (rows["task:page.refund"]["window"], rows["task:page.refund"]["held"]) == (None, 1)
+    page = f.get("/pulse/permits").text
+    assert "2 per 60 s" in page and "2 started in the window" in page
 
 
 def test_drain_and_undrain_from_the_api_and_the_page(

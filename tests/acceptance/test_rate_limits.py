@@ -13,6 +13,7 @@ MariaDB.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -76,6 +77,11 @@ def test_a_rate_limit_holds_across_three_workers_on_every_store(
     cluster.ready(*ws)
     with producer(env) as client:
         ids = [client.send_task(RATED, (str(journal), 0.01)).id for _ in range(n)]
+    # What an operator sees meanwhile: the rate, the starts in its window, its waiters.
+    shown = re.compile(rf"rate rate:task:{RATED}: \d+ of {LIMIT} started in the last 1s, "
+                       r"[1-9]\d* waiting")
+    wait_alive(lambda: shown.search(env.celery("pulse", "status").stdout), 30,
+               "pulse status to show the rate and its waiters", ws)
     wait_alive(lambda: ended(journal, RATED) == n, 90, f"all {n} tasks to end", ws)
     wait_alive(lambda: all_in_state(any_store, ids, "succeeded"), 30, "every claim", ws)
 

@@ -30,6 +30,9 @@ def test_rates_at_most_limit_starts_per_window_and_then_more_once_it_passes(
     started, waiting = start(store, W1, grants, needs(grants, rate))
     assert set(started) == {g.task_id for g in grants[:3]}
     assert waiting == {g.task_id for g in grants[3:]}
+    # Seen as a rate: its window, the starts in it, the waiters.
+    assert usage(store) == {"rate:task:t": (3, 3, 2)}
+    assert [u.window for u in store.permit_usage()] == [1.0]
     for g in grants[:3]:  # ended at once: a start counts for its window all the same
         assert complete(store, W1, g) == "applied"
     assert start(store, W1, grants[3:], needs(grants[3:], rate))[0] == {}

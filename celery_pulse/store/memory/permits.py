@@ -77,7 +77,7 @@ def start(tables: Tables, now: float, holder: str, leases: Sequence[LeaseKey], t
     limits = {key: p.limit for keyed in wanted.values() for key, p in keyed.items()}
     windows = rate_windows(wanted)
     for key in sorted(limits):
-        tables.permits[key] = PermitRow(limits[key], now)
+        tables.permits[key] = PermitRow(limits[key], now, windows.get(key))
     drop_past(tables, [k for k in limits if k not in windows])
     used = holders(tables, [k for k in limits if k not in windows])
     counts, oldest = rate_counted(tables, now, windows)
@@ -123,8 +123,13 @@ def usage(tables: Tables, now: float) -> list[PermitUsage]:
                 waiting[key] = waiting.get(key, 0) + 1
                 since = claim.reserved_at if claim.reserved_at is not None else claim.created_at
                 oldest[key] = min(oldest.get(key, since), since)
+    for (key, _, _), at in tables.rate_starts.items():
+        row = tables.permits.get(key)
+        if row is not None and row.window_s is not None and at > now - row.window_s:
+            running[key] = running.get(key, 0) + 1
     return [PermitUsage(key, row.max_running, running.get(key, 0), waiting.get(key, 0),
-                        oldest.get(key)) for key, row in sorted(tables.permits.items())]
+                        oldest.get(key), row.window_s)
+            for key, row in sorted(tables.permits.items())]
 
 
 def purge(tables: Tables, now: float, older_than: float, limit: int = 500) -> int:

@@ -101,6 +101,7 @@ class ReviewRow:
 class PermitRow:
     max_running: int
     updated_at: float
+    window_s: float | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -45,13 +45,16 @@ _SAME_ATTEMPT = sa.and_(claims.c.task_id == permit_holds.c.task_id,
                         claims.c.epoch == permit_holds.c.epoch)
 
 
-def lock_keys(conn: sa.Connection, dialect: Dialect, limits: Mapping[str, int]) -> None:
+def lock_keys(conn: sa.Connection, dialect: Dialect, limits: Mapping[str, int],
+              windows: Mapping[str, float] | None = None) -> None:
     """Create or lock each key's row, in key order (two starts never deadlock)."""
     now = dialect.now()
     for key in sorted(limits):
         conn.execute(dialect.upsert(permits, {"key": key, "max_running": limits[key],
-                                              "updated_at": now},
-                                    [permits.c.key], ("max_running", "updated_at")))
+                                              "updated_at": now,
+                                              "window_s": (windows or {}).get(key)},
+                                    [permits.c.key], ("max_running", "updated_at",
+                                                      "window_s")))
 
 
 def holders(conn: sa.Connection, keys: Sequence[str]) -> dict[str, int]:
@@ -110,7 +113,7 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
     now = dialect.now()
     wanted, limits = _wanted(leases, needs)
     windows = rate_windows(wanted)
-    lock_keys(conn, dialect, limits)
+    lock_keys(conn, dialect, limits, windows)
     drop_past(conn, [k for k in limits if k not in windows])
     used = holders(conn, [k for k in limits if k not in windows])
     counts, oldest = rates.counted(conn, dialect, windows)
@@ -152,10 +155,11 @@ def _pg_sql(now: str) -> dict[str, str]:
     live = f"('{RESERVED}', '{RUNNING}')"
     return {
         "lock": (
-            "INSERT INTO pulse_permits (key, max_running, updated_at) "
-            f"SELECT k, l, {now} FROM unnest(%s::text[], %s::int[]) AS t(k, l) ORDER BY k "
+            "INSERT INTO pulse_permits (key, max_running, updated_at, window_s) "
+            f"SELECT k, l, {now}, w FROM unnest(%s::text[], %s::int[], %s::float8[]) "
+            "AS t(k, l, w) ORDER BY k "
             "ON CONFLICT (key) DO UPDATE SET max_running = EXCLUDED.max_running, "
-            "updated_at = EXCLUDED.updated_at"),
+            "updated_at = EXCLUDED.updated_at, window_s = EXCLUDED.window_s"),
         "drop_past": (
             "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND h.held "
             "AND NOT EXISTS "
@@ -197,7 +201,7 @@ def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
     held_keys = [k for k in keys if k not in windows]
     ordered = sorted(leases)
     first = [
-        (sql["lock"], (keys, [limits[k] for k in keys])),
+        (sql["lock"], (keys, [limits[k] for k in keys], [windows.get(k) for k in keys])),
         (sql["drop_past"], (held_keys,)),
         (sql["holders"], (held_keys,)),
         (sql["live"], ([lease[0] for lease in ordered], [lease[1] for lease in ordered],
@@ -251,10 +255,14 @@ def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:
         counts[(key, state)] = int(count)
         if state == RESERVED and first is not None:
             oldest[key] = float(first)
-    return [PermitUsage(key, int(limit), counts.get((key, RUNNING), 0),
-                        counts.get((key, RESERVED), 0), oldest.get(key))
-            for key, limit in conn.execute(
-                sa.select(permits.c.key, permits.c.max_running).order_by(permits.c.key))]
+    keys = list(conn.execute(sa.select(permits.c.key, permits.c.max_running, permits.c.window_s)
+                             .order_by(permits.c.key)))
+    started = rates.started(conn, dialect, {key: float(w) for key, _, w in keys
+                                            if w is not None})
+    return [PermitUsage(key, int(limit), started.get(key, 0) if window is not None
+                        else counts.get((key, RUNNING), 0), counts.get((key, RESERVED), 0),
+                        oldest.get(key), None if window is None else float(window))
+            for key, limit, window in keys]
 
 
 def purge(conn: sa.Connection, dialect: Dialect, older_than: float, limit: int = 500) -> int:

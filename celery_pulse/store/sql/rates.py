@@ -50,6 +50,18 @@ def counted(conn: sa.Connection, dialect: Dialect, windows: Mapping[str, float]
             {key: min(0.0, float(oldest)) for key, _, oldest in rows})
 
 
+def started(conn: sa.Connection, dialect: Dialect, windows: Mapping[str, float]
+            ) -> dict[str, int]:
+    """Each rate key's starts inside its window now (read only: what a page shows)."""
+    if not windows:
+        return {}
+    now = dialect.now()
+    rows = conn.execute(sa.select(rate_starts.c.key, sa.func.count()).where(sa.or_(*(
+        sa.and_(rate_starts.c.key == key, rate_starts.c.started_at > now - window)
+        for key, window in windows.items()))).group_by(rate_starts.c.key))
+    return {key: int(count) for key, count in rows}
+
+
 def record(conn: sa.Connection, dialect: Dialect, grants: Sequence[tuple[str, str, int]]
            ) -> None:
     """The granted starts, at the store's time."""

@@ -205,6 +205,8 @@ permits = sa.Table(
     sa.Column("key", sa.String(255), primary_key=True),
     sa.Column("max_running", sa.Integer, nullable=False),
     sa.Column("updated_at", SECONDS, nullable=False),
+    #: Revision 0016: a rate's window (seconds); None: a concurrency limit.
+    sa.Column("window_s", SECONDS),
     **TABLE_OPTIONS,
 )
 
