@@ -283,7 +283,9 @@ class RequestEnds:
         worker = self.worker
         task_id = claim.task_id
         part = claim.chord_part
-        permits = claim.permits if claim.state == RUNNING else None
+        # A rate's start stays counted for its window: only concurrency permits come back.
+        permits = tuple(p for p in claim.permits or () if p.window is None) if (
+            claim.state == RUNNING) else None
 
         def done(_answer: Any, counted: tuple[int, str] | None) -> None:
             worker.loop.call(worker.claim_ended, task_id)

@@ -617,10 +617,12 @@ def test_status_and_worker_stats_show_permits(
         print(f"\n{json.dumps(shown, indent=1)}")
         # When the oldest of the 3 waiters began waiting (store clock); none for the queue.
         assert isinstance(shown[key].pop("oldest_waiting_since"), float), shown
-        assert shown[key] == {"key": key, "limit": 2, "running": 2, "waiting": 3}
+        # (window: a rate's; None for a concurrency limit)
+        assert shown[key] == {"key": key, "limit": 2, "running": 2, "waiting": 3,
+                              "window": None}
         # The queue's permit is held by the same 2; nobody waits for it (it has room).
         assert shown[qkey] == {"key": qkey, "limit": 20, "running": 2, "waiting": 0,
-                               "oldest_waiting_since": None}, shown
+                               "oldest_waiting_since": None, "window": None}, shown
         text = env.celery("pulse", "status").stdout  # the human view lists busy limits
         assert f"permits {key}: 2 of 2 running, 3 waiting" in text, text
 
@@ -638,7 +640,7 @@ def test_status_and_worker_stats_show_permits(
                    ws, interval=0.5)
     final = permits()
     assert final[key] == {"key": key, "limit": 2, "running": 0, "waiting": 0,
-                          "oldest_waiting_since": None}
+                          "oldest_waiting_since": None, "window": None}
     assert (final[qkey]["running"], final[qkey]["waiting"]) == (0, 0)
     assert usage(store, key) == PermitUsage(key, 2, 0, 0)
     assert max_overlap(closed(r) for r in runs(journal, GATED)) == 2

@@ -223,7 +223,9 @@ def test_fire_slot_refused_with_a_stale_token_or_epoch(store: Store) -> None:
 
 def test_a_slot_recorded_by_one_term_is_not_recorded_again_by_the_next(
         store: Store) -> None:
-    old = acquire(store, "a", ttl=SHORT)
+    # Long enough to fire its slot on a loaded machine (0.3 s was not, under CI's load on
+    # MySQL), then waited out by the store clock.
+    old = acquire(store, "a", ttl=2.0)
     assert store.fire_slot(KEY, old.token, old.epoch, slot(100.0)) is True
     expire(store)
     new = acquire(store, "b")
