@@ -15,6 +15,11 @@ from celery_pulse.errors import InvalidConfig
 
 #: Celery's rate units (``celery.utils.time.rate``): per second, minute, hour.
 RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+#: No rate's window is longer (what retention keeps of past starts).
+LONGEST_WINDOW = max(RATE_UNITS.values())
+#: The permit keys' grammar, one for workers and gateways: ``task:NAME[PARTITION]``,
+#: ``queue:NAME``, and a rate's the same behind ``rate:``.
+TASK_PREFIX, QUEUE_PREFIX, RATE_PREFIX = "task:", "queue:", "rate:"
 _RATE = re.compile(r"\s*(\d+)\s*(?:/\s*([smh]))?\s*")
 
 

@@ -6,9 +6,10 @@ rules), :mod:`~celery_pulse.worker.permit_waits` and
 
 from __future__ import annotations
 
+from celery_pulse.limits import QUEUE_PREFIX
 from celery_pulse.worker.permit_signals import SIGNAL_POLL, PermitSignals
 from celery_pulse.worker.permit_waits import FIRST_RETRY, MAX_RETRY, PermitWaits
-from celery_pulse.worker.permits import MAX_KEY, QUEUE_PREFIX, PermitRules
+from celery_pulse.worker.permits import MAX_KEY, PermitRules
 
 __all__ = [
     "FIRST_RETRY",

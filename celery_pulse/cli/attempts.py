@@ -15,6 +15,7 @@ import click
 from celery_pulse.cli import format as fmt
 from celery_pulse.cli.context import echo_json, echo_lines, opened_store
 from celery_pulse.cli.review import detail_payload
+from celery_pulse.store.gateway_state import current_attempt
 from celery_pulse.timefmt import iso
 
 
@@ -32,8 +33,7 @@ def attempts(ctx: click.Context, task_id: str, as_json: bool) -> None:
         payload["gateway_attempts"] = [
             {"attempt_id": record.attempt_id, "instance_id": record.instance_id,
              "epoch": record.epoch, "assigned_at": assigned_at,
-             "current": record.epoch == claim["epoch"] and claim["state"] in
-             ("reserved", "running")}
+             "current": current_attempt(record, claim["state"], claim["epoch"])}
             for record, assigned_at in store.gateway_state.attempts_of(task_id)]
     if as_json:
         echo_json(payload)

@@ -26,12 +26,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_pulse.gateway.protocol import Code, PermitAsk, ProtocolError
-from celery_pulse.limits import rate_limit
+from celery_pulse.limits import QUEUE_PREFIX, RATE_PREFIX, TASK_PREFIX, rate_limit
 from celery_pulse.store.base import Permit
 
-QUEUE_PREFIX = "queue:"
-TASK_PREFIX = "task:"
-RATE_PREFIX = "rate:"
 #: A limit: ``(count, window seconds)``, the window None for a concurrency limit.
 Limit = tuple[int, float | None]
 

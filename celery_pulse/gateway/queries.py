@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery_pulse.gateway.protocol import Code, ProtocolError, TaskQuery
 from celery_pulse.gateway.receipts import timestamp
 from celery_pulse.gateway.session import Instance
-from celery_pulse.store.base import LIVE_STATES, Store
-from celery_pulse.store.gateway_state import GatewayState
+from celery_pulse.store.base import Store
+from celery_pulse.store.gateway_state import GatewayState, current_attempt
 
 T = TypeVar("T")
 
@@ -44,13 +44,12 @@ def answer(store: Store, state: GatewayState, instance: Instance, holder: str,
         if detail is None or detail.claim.queue != instance.identity.queue_id:
             continue
         claim = detail.claim
-        live = claim.state in LIVE_STATES
         return {
             "task_id": query.task_id, "task_state": claim.state.upper(),
             "epoch": str(claim.epoch),
             "attempts": [{"attempt_id": record.attempt_id, "epoch": str(record.epoch),
                           "assigned_at": timestamp(at),
-                          "current": live and record.epoch == claim.epoch,
+                          "current": current_attempt(record, claim.state, claim.epoch),
                           "mine": record.instance_id == instance.instance_id}
                          for record, at in state.attempts_of(task_id)],
             "evidence": [{"epoch": str(e.epoch), "outcome": e.outcome.upper(),

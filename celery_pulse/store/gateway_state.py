@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from celery_pulse.store.records import LIVE_STATES
+
 
 def identity_digest(queue_id: str, capabilities: Iterable[Any]) -> str:
     """What a reconnect must present again, in any order of its capabilities."""
@@ -61,6 +63,12 @@ class AttemptRecord:
     epoch: int
     token_digest: str
     task_name: str
+
+
+def current_attempt(record: AttemptRecord, claim_state: str, claim_epoch: int) -> bool:
+    """Whether ``record`` is the assignment that holds its claim now (the claim live,
+    at the record's epoch)."""
+    return claim_state in LIVE_STATES and record.epoch == claim_epoch
 
 
 class IdentityChanged(Exception):

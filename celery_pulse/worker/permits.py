@@ -21,7 +21,13 @@ from typing import Any
 from celery import Task
 
 from celery_pulse.errors import InvalidConfig
-from celery_pulse.limits import concurrency_limit, rate_limit
+from celery_pulse.limits import (
+    QUEUE_PREFIX,
+    RATE_PREFIX,
+    TASK_PREFIX,
+    concurrency_limit,
+    rate_limit,
+)
 from celery_pulse.store.base import Permit
 
 # Logger name kept from before the move (operators' logging configurations name it).
@@ -29,10 +35,6 @@ logger = logging.getLogger("celery_pulse.bootsteps.permits")
 
 #: Longest permit key kept as is (the store's column is 255 characters).
 MAX_KEY = 200
-QUEUE_PREFIX = "queue:"
-#: Rate permits' keys begin so (``rate:task:NAME``, ``rate:queue:NAME``): a rate and a
-#: concurrency limit of one task are two permits.
-RATE_PREFIX = "rate:"
 
 
 def _keyer(task: Any, option: str = "pulse_concurrency_key") -> Any:
@@ -147,14 +149,14 @@ class PermitRules:
         out: list[Permit] = []
         limit = self._task_limit(task)
         if limit is not None:
-            key = self._partitioned(f"task:{task.name}", task, "pulse_concurrency_key", args,
-                                    kwargs)
+            key = self._partitioned(TASK_PREFIX + task.name, task, "pulse_concurrency_key",
+                                    args, kwargs)
             out.append(Permit(_key(key), limit))
         if routing_key is not None and routing_key in self.queues:
             out.append(Permit(_key(QUEUE_PREFIX + routing_key), self.queues[routing_key]))
         rate = self._task_rate(task)
         if rate is not None:
-            key = self._partitioned(f"{RATE_PREFIX}task:{task.name}", task,
+            key = self._partitioned(RATE_PREFIX + TASK_PREFIX + task.name, task,
                                     "pulse_rate_limit_key", args, kwargs)
             out.append(Permit(_key(key), rate[0], rate[1]))
         if routing_key is not None and routing_key in self.queue_rates:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from celery_pulse.limits import LONGEST_WINDOW
 from celery_pulse.store.memory.tables import HoldRow, PermitRow, Tables
 from celery_pulse.store.records import (
     LIVE_STATES,
@@ -136,7 +137,8 @@ def purge(tables: Tables, now: float, older_than: float, limit: int = 500) -> in
     """Retention: past holds, rate starts past the longest window (an hour), and keys
     nobody asked for in ``older_than`` seconds."""
     dropped = drop_past(tables, None, limit)
-    for entry in [e for e, at in tables.rate_starts.items() if at <= now - 3600.0][:limit]:
+    for entry in [e for e, at in tables.rate_starts.items()
+                  if at <= now - LONGEST_WINDOW][:limit]:
         del tables.rate_starts[entry]
     asked = {key for key, _ in tables.holds}
     idle = [key for key, row in tables.permits.items()

@@ -23,13 +23,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_pulse.limits import LONGEST_WINDOW
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.tables import rate_starts
 
 #: Rows past their window that retention deletes in one statement.
 PURGE_LIMIT = 500
-#: No window is longer: Celery's longest rate unit is the hour ("N/h").
-LONGEST_WINDOW = 3600.0
 
 
 def counted(conn: sa.Connection, dialect: Dialect, windows: Mapping[str, float]
