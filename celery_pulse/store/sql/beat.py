@@ -70,8 +70,7 @@ class SqlBeat:
         stmt = (sa.update(beat_slots)
                 .where(beat_slots.c.entry == entry, beat_slots.c.due_at == due_at)
                 .values(published_at=self.conns.now))
-        with translated("mark_slot_published"), self.conns.single() as conn:
-            conn.execute(stmt)  # autocommit: a pause never holds the slot's row lock
+        self.conns.statement("mark_slot_published", stmt)  # a pause never holds its lock
 
     def unpublished_slots(self, limit: int = 100) -> list[Slot]:
         stmt = (sa.select(beat_slots).where(beat_slots.c.published_at.is_(None))

@@ -73,8 +73,7 @@ class SqlClaimsAdmin:
                 .where(claims.c.holder == holder, lease_key_in(leases),
                        claims.c.state.in_(states))
                 .values(lease_until=self.conns.now, state=RESERVED, started_at=None))
-        with translated("release"), self.conns.single() as conn:
-            return int(conn.execute(stmt).rowcount)
+        return self.conns.statement("release", stmt)
 
     def list_claims(self, states: Sequence[str] | None = None, limit: int = 1000
                     ) -> list[ClaimInfo]:

@@ -10,6 +10,10 @@ connections here, so the three ways are decided once per dialect:
   PostgreSQL (a poll costs one round trip instead of three: the leader's beat polls every
   second); on SQLite a :data:`~.engine.READ_ONLY` connection begins no transaction, so a
   writer holding the file's lock never blocks it.
+* :meth:`Connections.statement`: one write on its own, as :meth:`single` (one round trip
+  on PostgreSQL), and on MySQL/MariaDB run again after contention as :meth:`atomic`: a
+  lone ``UPDATE`` can be a deadlock's victim too (the CLI's ``review retry`` met one
+  against a worker's Recover scan).
 * :meth:`Connections.atomic`: one transaction. On MySQL/MariaDB a deadlock, a lock-wait
   timeout (1213/1205) or a lost duplicate-key race rolls it back whole, and it is run
   again a few times (every one the store runs is safe to repeat: nothing of it
@@ -106,6 +110,13 @@ class Connections:
             time.sleep(delay * (0.5 + random.random()))
             delay *= 2
         raise Contended(f"store contended during {where}")  # pragma: no cover
+
+    def statement(self, where: str, stmt: Any) -> int:
+        """Run one write on its own (see the module doc); the rows it matched."""
+        if self.dialect.autocommit_statements:
+            with translated(where), self._autocommit.connect() as conn:
+                return int(conn.execute(stmt).rowcount)
+        return self.atomic(where, lambda conn: int(conn.execute(stmt).rowcount))
 
     def updated(self, conn: sa.Connection, task_ids: Sequence[str], stmt: Any) -> list[Any]:
         """Run ``stmt`` (an UPDATE of ``pulse_claims``); the rows it changed as

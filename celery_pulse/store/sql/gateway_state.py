@@ -70,11 +70,9 @@ class SqlGatewayState(GatewayState):
     def declare(self, instance_id: str, generation: int, sequence: int, capacity: int,
                 drain: bool) -> bool:
         table = gateway_instances
-        with self.conns.writing("declare gateway capacity") as conn:
-            return conn.execute(sa.update(table).where(
-                table.c.instance_id == instance_id, table.c.generation == generation)
-                .values(capacity_sequence=sequence, capacity=capacity, drain=drain)
-            ).rowcount == 1
+        return self.conns.statement("declare gateway capacity", sa.update(table).where(
+            table.c.instance_id == instance_id, table.c.generation == generation)
+            .values(capacity_sequence=sequence, capacity=capacity, drain=drain)) == 1
 
     def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
         if not records:
@@ -129,6 +127,5 @@ class SqlGatewayState(GatewayState):
         running = sa.exists().where(claims.c.task_id == a.c.task_id,
                                     claims.c.epoch == a.c.epoch,
                                     claims.c.state.in_(LIVE_STATES))
-        with self.conns.writing("purge gateway attempts") as conn:
-            return int(conn.execute(sa.delete(a).where(
-                a.c.created_at < older_than, ~running)).rowcount)
+        return self.conns.statement("purge gateway attempts", sa.delete(a).where(
+            a.c.created_at < older_than, ~running))

@@ -58,8 +58,7 @@ class SqlLeader:
     def release_leader(self, key: str, token: str) -> bool:
         stmt = (sa.update(leaders).where(leaders.c.key == key, leaders.c.token == token)
                 .values(lease_until=self.conns.now))
-        with translated("release_leader"), self.conns.single() as conn:
-            return bool(conn.execute(stmt).rowcount > 0)
+        return self.conns.statement("release_leader", stmt) > 0
 
     def get_leader(self, key: str) -> LeaderInfo | None:
         now = sa.select(self.conns.now).scalar_subquery()

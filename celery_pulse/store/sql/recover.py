@@ -136,5 +136,4 @@ class SqlRecover:
             return 0
         stmt = (sa.update(claims).where(lease_key_in(items), claims.c.state == OPEN)
                 .values(lease_until=None, holder=None, token=None))
-        with translated("mark_published"), self.conns.single() as conn:
-            return int(conn.execute(stmt).rowcount)
+        return self.conns.statement("mark_published", stmt)

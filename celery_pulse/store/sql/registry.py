@@ -107,8 +107,7 @@ class SqlRegistry:
     def deregister(self, worker_id: str, token: str) -> bool:
         stmt = sa.delete(workers).where(workers.c.worker_id == worker_id,
                                         workers.c.token == token)
-        with translated("deregister"), self.conns.single() as conn:
-            return bool(conn.execute(stmt).rowcount > 0)
+        return self.conns.statement("deregister", stmt) > 0
 
     def list_workers(self) -> list[WorkerInfo]:
         now = sa.select(self.conns.now).scalar_subquery()
