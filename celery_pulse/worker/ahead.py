@@ -7,7 +7,10 @@ process a round trip to the store on every task. Instead:
 * a delivery that a free process is waiting for is reserved as ``running`` at once (its
   start folded into the reservation);
 * the next requests in line are started ahead, in the hot path's batches: when a
-  process frees, its next job is already ``running``.
+  process frees, its next job is already ``running``. A task under a limit goes with its
+  permits (taken then), unless tasks of this worker wait for one of its keys (it would
+  jump their line) or a start ahead of its keys found none free: it then asks when its
+  process is free, as without starts ahead.
 
 Only while this worker's jobs are short, and only as many as its processes get through
 in :data:`WINDOW`: a job started ahead waits for a process, and a worker killed
@@ -24,7 +27,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from celery_pulse.leases import LOST, RESERVED, RUNNING, LeaseKeeper, LocalClaim
+from celery_pulse.leases import LOST, RESERVED, RUNNING, WAITING, LeaseKeeper, LocalClaim
 from celery_pulse.worker.loop import LoopCaller
 
 #: Seconds: how long a job started ahead may expect to wait for its process. Starts go
@@ -41,7 +44,8 @@ class StartAhead:
     """The requests waiting for a pool process, in Celery's order, and starts ahead."""
 
     def __init__(self, keeper: LeaseKeeper, loop: Callable[[], LoopCaller], concurrency: int,
-                 hand_over: Callable[[LocalClaim, Any, Any], Any]) -> None:
+                 hand_over: Callable[[LocalClaim, Any, Any], Any],
+                 waited_for: Callable[[LocalClaim], bool] = lambda _claim: False) -> None:
         self.keeper = keeper
         self._loop = loop
         self.concurrency = max(1, concurrency)
@@ -53,6 +57,10 @@ class StartAhead:
         self.ahead: set[LocalClaim] = set()
         #: Reservations in flight that asked to be granted as running.
         self.folding = 0
+        #: ``waited_for(claim)``: tasks of this worker wait for one of its permit keys.
+        self.waited_for = waited_for
+        #: Permit keys a start ahead found no permit of -> that claim (until it leaves).
+        self.blocked: dict[str, LocalClaim] = {}
         #: Running mean of job run times (seconds); None until one job has run.
         self.runtime: float | None = None
 
@@ -104,12 +112,26 @@ class StartAhead:
             if (claim.state != RESERVED or claim.applied or claim.starting
                     or self.keeper.get(claim.task_id) is not claim):
                 continue  # gone to the pool, started, ended or lost meanwhile
+            if claim.permits and (self.waited_for(claim) or self._blocked(claim)):
+                continue  # it asks with its process, behind those waiting
             self.ahead.add(claim)
             claim.starting = True
             budget -= 1
             self.keeper.submit_start(claim, self._answer_to(claim), urgent=False)
         if len(self.queued) > 4 * self.concurrency and not self.short:
             self.queued.clear()  # jobs got long: they start when their process is free
+
+    def _blocked(self, claim: LocalClaim) -> bool:
+        """Whether a start ahead of one of ``claim``'s keys found no permit, and the
+        claim it was for is still here waiting to ask with its process."""
+        for permit in claim.permits or ():
+            other = self.blocked.get(permit.key)
+            if other is None:
+                continue
+            if other.state == RESERVED and self.keeper.get(other.task_id) is other:
+                return True
+            del self.blocked[permit.key]  # that one left without saying (lost, ended)
+        return False
 
     def _answer_to(self, claim: LocalClaim) -> Callable[[Any], None]:
         def answer(result: Any) -> None:  # on the commit thread or the loop
@@ -123,11 +145,16 @@ class StartAhead:
             self.hand_over(claim, job, result)  # its process is waiting for it
         elif result is not True:
             self.ahead.discard(claim)  # not started: it starts when its process is free
+            if result == WAITING:
+                self.blocked.update((p.key, claim) for p in claim.permits or ())
         self.pump()
 
     def left(self, claim: LocalClaim) -> None:
         """The claim went to the pool or ended: room for the next start ahead."""
         self.ahead.discard(claim)
+        if self.blocked:
+            for key in [k for k, c in self.blocked.items() if c is claim]:
+                del self.blocked[key]
         self.pump()
 
     def ran(self, seconds: float) -> None:

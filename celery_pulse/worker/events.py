@@ -129,25 +129,39 @@ class ConsumerView:
     """The consumer as Celery's strategy factory sees it: its own event dispatcher
     replaced by ``eventer``, everything else the consumer's."""
 
-    def __init__(self, consumer: Any, eventer: Any) -> None:
+    def __init__(self, consumer: Any, eventer: Any,
+                 on_request: Callable[[Any], None] | None = None) -> None:
         self._consumer = consumer
         self.event_dispatcher = eventer
+        if on_request is not None:
+            handle = consumer.on_task_request
+
+            def on_task_request(request: Any) -> Any:
+                on_request(request)
+                return handle(request)
+
+            #: What the strategy hands each new request to (for a process), seen first.
+            self.on_task_request = on_task_request
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._consumer, name)
 
 
-def strategy_view(consumer: Any, received: ReceivedEventer | None
+def strategy_view(consumer: Any, received: ReceivedEventer | None,
+                  on_request: Callable[[Any], None] | None = None
                   ) -> tuple[Any, ReceivedEventer | None]:
     """The consumer to build Celery's strategy with, and the :class:`ReceivedEventer` it
     sends through (kept while the consumer's dispatcher is the same; a new one after a
-    reconnect made a new dispatcher)."""
+    reconnect made a new dispatcher). ``on_request(request)``: called with each request
+    the strategy hands over for a process."""
     dispatcher = getattr(consumer, "event_dispatcher", None)
     if dispatcher is None:
-        return consumer, received
+        if on_request is None:
+            return consumer, received
+        return ConsumerView(consumer, None, on_request), received
     if received is None or received.dispatcher is not dispatcher:
         received = ReceivedEventer(dispatcher)
-    return ConsumerView(consumer, received), received
+    return ConsumerView(consumer, received, on_request), received
 
 
 @contextlib.contextmanager

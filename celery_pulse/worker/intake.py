@@ -43,7 +43,7 @@ from celery_pulse.worker.store_health import (
     count_contention,
     reserve_blocking,
 )
-from celery_pulse.worker.verdict import CeleryVerdict
+from celery_pulse.worker.verdict import CeleryVerdict, bound_claim
 
 # Logger name kept from before the move (operators' logging configurations name it).
 logger = logging.getLogger("celery_pulse.bootsteps.intake")
@@ -164,13 +164,16 @@ class Intake:
                 # and stop consuming until there is room again.
                 self.paused_at_limit = True
                 self.gate.close(PREFETCH_LIMIT)
-            # A task under a concurrency limit starts only once it has its permits: never
-            # folded into its reservation, nor started ahead of the pool.
+            # A task under a limit starts only with its permits: never folded into its
+            # reservation; started ahead of the pool (with them) only when no process is
+            # free for it (one that is asks at once) and nothing waits for its keys.
             routing_key = (message.delivery_info or {}).get("routing_key")
-            may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None
-                            and not self.pulse.rules.limited(task, routing_key))
+            limited = bool(self.pulse.rules.declared
+                           and self.pulse.rules.limited(task, routing_key))
+            may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None)
             free = may_wait and self._free_process()
-            start = may_wait and bool(self.pulse.ahead.fold(free))
+            start = may_wait and not limited and bool(self.pulse.ahead.fold(free))
+            may_wait = may_wait and not (limited and free)
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries, publication, start)
             # Lingering for company pays only under load: the first of a burst goes at
@@ -181,7 +184,7 @@ class Intake:
 
             def on_result(result: Any, sent: float) -> None:
                 self.loop.call(self._settle, result, sent, request, message, body, callbacks,
-                               inner, handler, may_wait)
+                               inner, handler, may_wait, limited)
 
             if self.loop.hub is None:
                 reserve_blocking(self.keeper, request, on_result, self.health,
@@ -194,8 +197,17 @@ class Intake:
 
     def strategy_consumer(self) -> Any:
         """The consumer Celery's strategy is built with (:func:`.events.strategy_view`)."""
-        view, self.received = strategy_view(self.consumer, self.received)
+        view, self.received = strategy_view(
+            self.consumer, self.received,
+            self.request_made if self.pulse.rules.declared else None)
         return view
+
+    def request_made(self, request: Any) -> None:
+        """Celery made a leased request and queues it for a process: its permits are
+        decided now (the pool would, later), so it can be started ahead with them."""
+        claim = bound_claim(request)
+        if claim is not None and claim.permits is None:
+            claim.permits = self.pulse.permits(request)
 
     @property
     def gate(self) -> ConsumeGate:
@@ -292,7 +304,8 @@ class Intake:
 
     def _settle(self, result: Any, sent: float, request: ReserveRequest, message: Any,
                 body: Any, callbacks: Any, inner: Callable[..., Any],
-                handler: Callable[..., Any], may_wait: bool = False) -> None:
+                handler: Callable[..., Any], may_wait: bool = False,
+                limited: bool = False) -> None:
         """On the loop thread: act on the reservation's outcome."""
         self.pending -= 1
         same_id = self.inflight.pop(request.task_id, [])
@@ -327,8 +340,11 @@ class Intake:
                 if self.loop.hub is not None:
                     self._again(self.health.backoff, handler, message, body, callbacks)
         finally:
+            # A limited claim goes ahead only with its permits decided (as Celery made its
+            # request: :meth:`request_made`); never started ahead without them.
             self.pulse.ahead.settled(claim, request.start, may_wait and claim is not None
-                                     and not claim.scheduled)
+                                     and not claim.scheduled
+                                     and (not limited or claim.permits is not None))
             for args in same_id:  # now decided against the settled reservation
                 self.loop.call(handler, *args)
             self.pulse.admit_waiting()

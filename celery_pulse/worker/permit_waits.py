@@ -69,6 +69,12 @@ class PermitWaits:
     def _group(claim: LocalClaim) -> tuple[str, ...]:
         return tuple(sorted(p.key for p in claim.permits or ()))
 
+    def waiting_for(self, claim: LocalClaim) -> bool:
+        """Whether tasks of this worker wait for one of ``claim``'s permit keys (a start
+        of it ahead of them would jump their line)."""
+        keys = {p.key for p in claim.permits or ()}
+        return any(keys.intersection(group_keys) for group_keys in self.groups)
+
     def by_key(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for keys, group in self.groups.items():

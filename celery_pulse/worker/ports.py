@@ -84,6 +84,9 @@ class WorkerForIntake(Protocol):
     def waiting_for_permits(self) -> int:
         """Tasks waiting for a permit that don't count against the prefetch limit."""
 
+    def permits(self, request: Any) -> tuple[Permit, ...]:
+        """The permits a Celery request needs to start (none: unlimited)."""
+
     def ack(self, message: Any) -> None:
         """Acknowledge a reserved delivery to the broker (a failure is only logged)."""
 

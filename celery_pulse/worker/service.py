@@ -95,7 +95,7 @@ class PulseWorker:
                                   margin=settings.safety_margin, grace=settings.revoke_grace,
                                   listener=self)
         self.ahead = StartAhead(self.keeper, lambda: self.loop, concurrency,
-                                lambda *_args: None)
+                                lambda *_args: None, lambda claim: self.waits.waiting_for(claim))
         #: Cluster-wide concurrency limits, and the tasks of this worker waiting for one
         #: (``resume`` is the pool's, bound when the consumer starts).
         self.rules = rules or PermitRules(settings.concurrency_limits, settings.rate_limits)

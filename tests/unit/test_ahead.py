@@ -9,7 +9,8 @@ from typing import Any
 
 from celery_pulse.bootsteps.ahead import MAX_AHEAD, WINDOW, StartAhead
 from celery_pulse.bootsteps.loop import LoopCaller
-from celery_pulse.leases import LOST, RESERVED, RUNNING, LocalClaim
+from celery_pulse.leases import LOST, RESERVED, RUNNING, WAITING, LocalClaim
+from celery_pulse.store.base import Permit
 
 
 class Keeper:
@@ -28,12 +29,15 @@ class Keeper:
         return claim
 
 
-def make(concurrency: int = 2, runtime: float | None = 0.001
+def make(concurrency: int = 2, runtime: float | None = 0.001,
+         waited_for: set[str] | None = None
          ) -> tuple[StartAhead, Keeper, list[tuple[LocalClaim, Any, Any]]]:
     keeper = Keeper()
     handed: list[tuple[LocalClaim, Any, Any]] = []
+    waiting = waited_for if waited_for is not None else set()
     ahead = StartAhead(keeper, lambda: LoopCaller(None), concurrency,  # type: ignore[arg-type]
-                       lambda claim, job, result: handed.append((claim, job, result)))
+                       lambda claim, job, result: handed.append((claim, job, result)),
+                       lambda claim: any(p.key in waiting for p in claim.permits or ()))
     ahead.runtime = runtime
     return ahead, keeper, handed
 
@@ -120,3 +124,38 @@ def test_a_folded_grant_waiting_for_a_process_holds_a_place() -> None:
     folded.in_pool = True
     ahead.left(folded)
     assert [c.task_id for c, _cb, _u in keeper.starts] == ["next"]
+
+
+def limited(keeper: Keeper, task_id: str, key: str = "task:t") -> LocalClaim:
+    claim = keeper.claim(task_id)
+    claim.permits = (Permit(key, 4),)
+    return claim
+
+
+def test_a_limited_claim_starts_ahead_with_its_permits_unless_its_keys_have_waiters() -> None:
+    ahead, keeper, _ = make(concurrency=2, runtime=WINDOW / 4, waited_for={"task:busy"})
+    free, behind, other = (limited(keeper, "free"), limited(keeper, "behind", "task:busy"),
+                           keeper.claim("plain"))
+    for claim in (free, behind, other):
+        ahead.settled(claim, False, True)
+    # The one whose key has tasks waiting asks with its process, behind them.
+    assert [c for c, _cb, _u in keeper.starts] == [free, other]
+    assert free.permits and free.starting
+
+
+def test_a_start_ahead_that_finds_no_permit_keeps_its_keys_back_until_it_leaves() -> None:
+    ahead, keeper, _ = make(concurrency=4, runtime=WINDOW / 4)
+    first = limited(keeper, "first")
+    ahead.settled(first, False, True)
+    keeper.starts[0][1](WAITING)  # no permit free: it asks again with its process
+    assert first.state == RESERVED and not first.starting
+    second, plain = limited(keeper, "second"), keeper.claim("plain")
+    ahead.settled(second, False, True)
+    ahead.settled(plain, False, True)
+    # Not ahead of the first in line for the same key; other tasks still go.
+    assert [c for c, _cb, _u in keeper.starts] == [first, plain]
+    first.in_pool = True
+    ahead.left(first)  # it went to the pool (or waits there): the key goes ahead again
+    third = limited(keeper, "third")
+    ahead.settled(third, False, True)
+    assert keeper.starts[-1][0] is third

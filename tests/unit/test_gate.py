@@ -156,7 +156,7 @@ def test_a_store_outage_at_the_prefetch_limit_keeps_asking_the_store_and_holds_n
                              call=lambda fn, *args: fn(*args), hub=object()),
         ahead=SimpleNamespace(folding=0, fold=lambda free: False,
                               settled=lambda claim, folded, may_wait: None),
-        rules=SimpleNamespace(limited=lambda task, routing_key: False),
+        rules=SimpleNamespace(declared=False, limited=lambda task, routing_key: False),
         admit_waiting=lambda: None)
     intake = Intake(pulse, consumer)
     pulse.gate = ConsumeGate(consumer, on_pause=intake.requeue_waiting)
