@@ -58,11 +58,6 @@ def _mark_redelivered(message: Any) -> None:
         info["redelivered"] = True
 
 
-def _size(message: Any) -> int:
-    body = message.body
-    return len(body) if isinstance(body, (bytes, bytearray, str)) else 0
-
-
 class Intake:
     """Wraps Celery's strategy for each task type of one consumer."""
 
@@ -84,7 +79,7 @@ class Intake:
         self._hold: bool | None = None
         #: Consumption paused at the prefetch limit (brokers where deliveries aren't held).
         self.paused_at_limit = False
-        self._body_limit: tuple[int | None] | None = None
+        self._max_bytes = screen.BodyLimit(lambda: self.keeper.store.max_message_bytes())
         self.received: ReceivedEventer | None = None  # for task-received (.events)
 
     def wrap(self, task: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,7 +114,8 @@ class Intake:
             if isinstance(headers, dict) and "id" not in headers and "task" not in headers:
                 # Task protocol 1 (the id is in the body): not leased, Celery's own.
                 return inner(message, body, ack, reject, callbacks, **kwargs)  # type: ignore[no-any-return]
-            why = bad_name or screen.problem(headers, _size(message), self._max_bytes())
+            why = bad_name or screen.problem(headers, screen.body_size(message),
+                                             self._max_bytes())
             if why:
                 self._rejected(message, task.name, why)
                 return None
@@ -164,9 +160,8 @@ class Intake:
                 # and stop consuming until there is room again.
                 self.paused_at_limit = True
                 self.gate.close(PREFETCH_LIMIT)
-            # A task under a limit starts only with its permits: never folded into its
-            # reservation; started ahead of the pool (with them) only when no process is
-            # free for it (one that is asks at once) and nothing waits for its keys.
+            # A limited task starts with its permits: never folded into its reservation;
+            # started ahead (with them) only when no process is free for it (.ahead).
             routing_key = (message.delivery_info or {}).get("routing_key")
             limited = bool(self.pulse.rules.declared
                            and self.pulse.rules.limited(task, routing_key))
@@ -361,17 +356,6 @@ class Intake:
         """Settle a delivery nobody will run (see :mod:`.screen`), and count it."""
         self.keeper.counters.rejected += 1
         screen.reject(message, task_name, why)
-
-    def _max_bytes(self) -> int | None:
-        """The largest body the store keeps in one claim (the worker asked it at start:
-        a store that asks the server remembers the answer)."""
-        if self._body_limit is None:
-            try:
-                self._body_limit = (self.keeper.store.max_message_bytes(),)
-            except PulseError as exc:  # asked again with the next delivery
-                logger.debug("pulse: could not ask the store its message limit: %s", exc)
-                return None
-        return self._body_limit[0]
 
     @staticmethod
     def _give_back(message: Any) -> bool:

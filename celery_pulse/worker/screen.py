@@ -12,9 +12,10 @@ line that names its id, its queue and why, and counted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from celery_pulse.errors import PulseError
 from celery_pulse.messages import FIXED_PUBLICATION_HEADER, PUBLICATION_HEADER
 
 logger = logging.getLogger("celery_pulse.bootsteps.intake")
@@ -99,6 +100,29 @@ def problem(headers: Any, body_size: int, max_bytes: int | None) -> str | None:
     if max_bytes is not None and body_size > max_bytes:
         return f"its body has {body_size:,} bytes (the store takes {max_bytes:,} in one claim)"
     return None
+
+
+def body_size(message: Any) -> int:
+    body = message.body
+    return len(body) if isinstance(body, (bytes, bytearray, str)) else 0
+
+
+class BodyLimit:
+    """The largest body the store keeps in one claim, asked once it answers (a store
+    that asks its server remembers the answer); None while it can't be asked."""
+
+    def __init__(self, ask: Callable[[], int | None]) -> None:
+        self.ask = ask
+        self._known: tuple[int | None] | None = None
+
+    def __call__(self) -> int | None:
+        if self._known is None:
+            try:
+                self._known = (self.ask(),)
+            except PulseError as exc:  # asked again with the next delivery
+                logger.debug("pulse: could not ask the store its message limit: %s", exc)
+                return None
+        return self._known[0]
 
 
 def shown_id(headers: Any) -> str:
