@@ -10,7 +10,9 @@ process a round trip to the store on every task. Instead:
   process frees, its next job is already ``running``. A task under a limit goes with its
   permits (taken then), unless tasks of this worker wait for one of its keys (it would
   jump their line) or a start ahead of its keys found none free: it then asks when its
-  process is free, as without starts ahead.
+  process is free, as without starts ahead. Per key, one such start is in flight at
+  first, twice as many after each one that got its permits, one again after one that
+  found none: a limit that binds costs one refused start, not a batch of them.
 
 Only while this worker's jobs are short, and only as many as its processes get through
 in :data:`WINDOW`: a job started ahead waits for a process, and a worker killed
@@ -36,6 +38,8 @@ from celery_pulse.worker.loop import LoopCaller
 WINDOW = 0.02
 #: Never more starts ahead than this, however short the jobs.
 MAX_AHEAD = 64
+#: Keys whose grown allowance of limited starts in flight is remembered (more: forgotten).
+MAX_KEYS = 1024
 #: Weight of the newest run time in the running mean.
 ALPHA = 0.2
 
@@ -59,8 +63,13 @@ class StartAhead:
         self.folding = 0
         #: ``waited_for(claim)``: tasks of this worker wait for one of its permit keys.
         self.waited_for = waited_for
+        #: Starts ahead of tasks under a limit that got their permits (worker stats).
+        self.limited_starts = 0
         #: Permit keys a start ahead found no permit of -> that claim (until it leaves).
         self.blocked: dict[str, LocalClaim] = {}
+        #: Limited starts ahead in flight per permit key, and how many may be (absent: 1).
+        self.flying: collections.Counter[str] = collections.Counter()
+        self.allowed: dict[str, int] = {}
         #: Running mean of job run times (seconds); None until one job has run.
         self.runtime: float | None = None
 
@@ -112,8 +121,11 @@ class StartAhead:
             if (claim.state != RESERVED or claim.applied or claim.starting
                     or self.keeper.get(claim.task_id) is not claim):
                 continue  # gone to the pool, started, ended or lost meanwhile
-            if claim.permits and (self.waited_for(claim) or self._blocked(claim)):
-                continue  # it asks with its process, behind those waiting
+            if claim.permits and (self.waited_for(claim) or self._blocked(claim) or any(
+                    self.flying[p.key] >= self.allowed.get(p.key, 1) for p in claim.permits)):
+                continue  # it asks with its process (behind those waiting)
+            for permit in claim.permits or ():
+                self.flying[permit.key] += 1
             self.ahead.add(claim)
             claim.starting = True
             budget -= 1
@@ -140,6 +152,8 @@ class StartAhead:
 
     def _answered(self, claim: LocalClaim, result: Any) -> None:
         claim.starting = False
+        if claim.permits:
+            self._limited_answer(claim, result)
         job, claim.waiting_job = claim.waiting_job, None
         if job is not None:
             self.hand_over(claim, job, result)  # its process is waiting for it
@@ -148,6 +162,20 @@ class StartAhead:
             if result == WAITING:
                 self.blocked.update((p.key, claim) for p in claim.permits or ())
         self.pump()
+
+    def _limited_answer(self, claim: LocalClaim, result: Any) -> None:
+        self.limited_starts += result is True
+        for permit in claim.permits or ():
+            key = permit.key
+            self.flying[key] -= 1
+            if self.flying[key] <= 0:
+                del self.flying[key]
+            if result is True:
+                if len(self.allowed) >= MAX_KEYS and key not in self.allowed:
+                    self.allowed.clear()
+                self.allowed[key] = min(2 * self.allowed.get(key, 1), MAX_AHEAD)
+            else:
+                self.allowed.pop(key, None)
 
     def left(self, claim: LocalClaim) -> None:
         """The claim went to the pool or ended: room for the next start ahead."""

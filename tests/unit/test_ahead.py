@@ -159,3 +159,20 @@ def test_a_start_ahead_that_finds_no_permit_keeps_its_keys_back_until_it_leaves(
     third = limited(keeper, "third")
     ahead.settled(third, False, True)
     assert keeper.starts[-1][0] is third
+
+
+def test_one_limited_start_ahead_per_key_at_first_twice_as_many_after_each_grant() -> None:
+    ahead, keeper, _ = make(concurrency=4, runtime=WINDOW / 16)  # budget: the cap
+    claims = [limited(keeper, f"k{i}") for i in range(12)]
+    for claim in claims[:4]:
+        ahead.settled(claim, False, True)
+    # One in flight for the key; the others ask with their process.
+    assert [c for c, _cb, _u in keeper.starts] == claims[:1]
+    keeper.starts[0][1](True)  # it got its permit: two may fly now
+    for claim in claims[4:8]:
+        ahead.settled(claim, False, True)
+    assert [c for c, _cb, _u in keeper.starts] == [claims[0], claims[4], claims[5]]
+    keeper.starts[1][1](WAITING)  # one found none: back to one in flight (the other's)
+    for claim in claims[8:]:
+        ahead.settled(claim, False, True)
+    assert len(keeper.starts) == 3
