@@ -1357,11 +1357,13 @@ def _permits_meaning(pm: dict[str, Any]) -> str:
         parts.append(text + ". ")
     text = "".join(parts)
     if parts:
-        text += ("A limited task is never started ahead of the pool nor in its reservation's "
-                 "statement: its start, a transaction of its own that locks the key's row "
-                 "and counts its holders, is asked for only once a pool process is free for "
-                 "it, and that process waits for the answer, where an unlimited task's start "
-                 "was made before a process asked for it. ")
+        text += ("A limited task's start is a transaction of its own that locks the key's "
+                 "row and counts its holders, never folded into its reservation's statement "
+                 "(whether a permit is free is not known then). Under load it is made ahead "
+                 "of the pool, as an unlimited task's is, while earlier jobs run (per key, "
+                 "one in flight at first, twice as many after each that got its permit); "
+                 "under a limit that binds most tasks ask once their process is free, and "
+                 "that process waits for the answer. ")
     for workload in labels:
         one = _permit_row(pm, workload, "limit-1")
         if one is None or one["ratio"] is None or not workload.startswith("sleep"):
