@@ -176,3 +176,13 @@ def test_one_limited_start_ahead_per_key_at_first_twice_as_many_after_each_grant
     for claim in claims[8:]:
         ahead.settled(claim, False, True)
     assert len(keeper.starts) == 3
+
+
+def test_a_task_under_a_rate_never_starts_ahead() -> None:
+    """A rate counts starts: a body waiting for a process after its start could bunch
+    into a later window with the bodies started on time there."""
+    ahead, keeper, _ = make(concurrency=2, runtime=WINDOW / 4)
+    rated = keeper.claim("rated")
+    rated.permits = (Permit("rate:task:t", 20, 1.0),)
+    ahead.settled(rated, False, True)
+    assert keeper.starts == [] and not rated.starting
