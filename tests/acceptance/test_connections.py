@@ -31,9 +31,10 @@ from tests.helpers.workers import Env, Worker, wait_alive
 
 #: The parent's connections outside its pool, on PostgreSQL.
 DEDICATED = 2
-#: The ``pulse://`` backend's connections in a worker's parent: the chord sweep's thread
-#: and Celery's own writes from the event loop.
-PARENT_BACKEND = 2
+#: The ``pulse://`` backend's connections in a worker's parent, one per thread that uses
+#: it: the chord finisher's, Recover's (the leader's chord sweep, a spent budget's
+#: failure) and the event loop (Celery's own writes). CI once saw all three at once.
+PARENT_BACKEND = 3
 
 #: Renewals every second (a third of the TTL): tasks of 1.5 s renew at least once.
 FAST_LEASES: dict[str, Any] = {"pulse_lease_ttl": 3, "pulse_worker_ttl": 6,
