@@ -27,13 +27,19 @@ from celery_pulse.worker.permits import PermitRules
 from celery_pulse.worker.pool_controls import refuse_autoscale
 from celery_pulse.worker.service import BEAT_KEY, SWITCH_INTERVAL, PulseWorker
 
-__all__ = ["BEAT_KEY", "EXIT_CONFIG", "EXIT_IDENTITY_LOST", "REDIS_VISIBILITY_MIN",
+__all__ = ["BEAT_KEY", "EXIT_CONFIG", "EXIT_IDENTITY_LOST", "REDIS_RESTORE", "REDIS_VISIBILITY_MIN",
            "SWITCH_INTERVAL", "PulseWorker", "Runtime", "uses_pulse_pool"]
 
 logger = logging.getLogger(__name__)
 
 #: Shortest ``visibility_timeout`` pulse sets on Redis (seconds).
 REDIS_VISIBILITY_MIN = 30.0
+#: What else pulse sets on Redis, unless the user did: kombu's sweep of unacknowledged
+#: deliveries on every tick of its 10 s timer (kombu's default scans on every 10th, so a
+#: dead consumer's deliveries waited up to 100 s past ``visibility_timeout``), and the
+#: sweep's lock held 60 s at most (kombu's default 300 s: a sweep cut by a Redis restart
+#: left its lock behind and stopped every sweep for five minutes).
+REDIS_RESTORE = {"unacked_restore_throttle": 1, "unacked_mutex_expire": 60}
 
 
 def uses_pulse_pool(worker: Any) -> bool:
@@ -52,16 +58,18 @@ def uses_pulse_pool(worker: Any) -> bool:
 
 
 def _short_redis_visibility(app: Any, settings: Settings) -> None:
-    """On Redis, give a dead consumer's unacknowledged deliveries back within minutes.
+    """On Redis, give a dead consumer's unacknowledged deliveries back within a minute.
 
     Under pulse only deliveries not reserved yet are unacknowledged (the few milliseconds
     before their reservation commits, or a store outage), and a copy delivered twice is
     refused by the claim table. Redis's default ``visibility_timeout`` (an hour) would
-    leave a SIGKILLed worker's in-flight deliveries stuck that long. A value the user set
-    is kept.
+    leave a SIGKILLed worker's in-flight deliveries stuck that long, and kombu's default
+    sweep (:data:`REDIS_RESTORE`) up to minutes more. Each value the user set is kept.
     """
     options = dict(app.conf.broker_transport_options or {})
-    if "visibility_timeout" in options:
+    wanted = {"visibility_timeout": max(REDIS_VISIBILITY_MIN, 10 * settings.lease_ttl),
+              **REDIS_RESTORE}
+    if all(name in options for name in wanted):
         return
     try:
         with app.connection_for_read() as connection:  # not connected: only its transport
@@ -69,8 +77,7 @@ def _short_redis_visibility(app: Any, settings: Settings) -> None:
     except Exception:  # an unknown transport: leave it alone
         return
     if driver == "redis":
-        options["visibility_timeout"] = max(REDIS_VISIBILITY_MIN, 10 * settings.lease_ttl)
-        app.conf.broker_transport_options = options
+        app.conf.broker_transport_options = {**wanted, **options}
 
 
 def _gateway_store(w: Any, settings: Settings) -> tuple[Settings, Any]:

@@ -227,7 +227,8 @@ def check(submitted: Iterable[str], claims: Iterable[ClaimState], events: Iterab
 
     * every submitted task ends succeeded, failed or needs_review (none lost, none stuck),
       except those in ``lost_by_broker``: shown by the test never to have reached a
-      worker (no claim, nowhere in the broker, in no worker's log), counted apart;
+      worker (no claim, or ``open`` since its re-publication; nowhere in the broker; in
+      no worker's log since), counted apart;
     * at most one fenced effect per task, and a succeeded task has exactly one;
     * a ``review`` task is started at most once per delivery of its own (a Celery
       retry is a new run the task asked for; a lost run is never re-run automatically);
@@ -269,6 +270,9 @@ def check(submitted: Iterable[str], claims: Iterable[ClaimState], events: Iterab
                 report.broker_lost += 1
             else:
                 report.violations.append(f"{task_id}: lost (no claim, never reserved)")
+            continue
+        if claim.state == "open" and task_id in lost_by_broker:
+            report.broker_lost += 1
             continue
         if claim.state not in TERMINAL:
             report.violations.append(f"{task_id}: stuck in {claim.state} (epoch {claim.epoch})")

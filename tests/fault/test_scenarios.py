@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import random
-import subprocess
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from sqlalchemy.engine import make_url
 
 from celery_pulse.store.sql.tables import permit_holds
 from tests.fault.checker import ClaimState, Event, PermitHold, Report, check, ghost_waiters
+from tests.fault.evidence import broker_state, lost_by_redis
 from tests.fault.nemesis import Cluster, Nemesis, PrivateRedis, rabbit_fault, redis_fault
 from tests.helpers import services
 from tests.helpers.mariadb import PRIVATE_SERVERS, PrivateServer
@@ -225,7 +225,7 @@ def _run_scenario(name: str, env: Env, store: PrivateServer, history: str,
         wait_for(lambda: _settled(env, submitted), SETTLE, "every submitted task to settle",
                  interval=1.0)
     state = _read_state(env, history)
-    lost_by_broker = (_lost_by_redis(env, cluster, submitted, state)
+    lost_by_broker = (lost_by_redis(env, cluster, submitted, {c.task_id for c in state.claims})
                       if broker_may_lose and any("broker fault" in line for line in nemesis.log)
                       else set())
     report = check(submitted, state.claims, state.events, state.effects, state.slots,
@@ -277,6 +277,7 @@ def _diagnose(env: Env, cluster: Cluster, submitted: list[str], state: State) ->
                 for h in state.permit_holds:
                     if h.task_id == task_id:
                         out.append(f"    permit row {h}")
+            out += broker_state(env, cluster, stuck)  # early: a long report is cut mid-way
             out.append("registered workers: " + ", ".join(
                 f"{r.worker_id} (heartbeat {r.last_heartbeat}, expires {r.expires_at}, "
                 f"draining={r.draining})" for r in conn.execute(
@@ -301,7 +302,6 @@ def _diagnose(env: Env, cluster: Cluster, submitted: list[str], state: State) ->
     out += [f"   {e}" for e in history[-60:]]
     proc = env.celery("pulse", "status")
     out.append(f"pulse status (exit {proc.returncode}):\n{proc.stdout}{proc.stderr[-2000:]}")
-    out += _broker_state(env, cluster, stuck)
     for command in ("stats", "reserved", "active"):
         proc = env.celery("inspect", command, "--json", "--timeout", "5")
         out.append(f"inspect {command} (exit {proc.returncode}): {proc.stdout[-6000:]}"
@@ -309,98 +309,6 @@ def _diagnose(env: Env, cluster: Cluster, submitted: list[str], state: State) ->
     text = "\n".join(out)
     (env.tmp / "diagnosis.txt").write_text(text)
     return text
-
-
-def _redis_messages(env: Env) -> tuple[list[str], dict[str, str]]:
-    """The test queue's ready messages, and kombu's delivered-unacknowledged ones by tag."""
-    import redis
-
-    client: Any = redis.Redis.from_url(env.broker_url, socket_timeout=5)
-    try:
-        queued = [m.decode(errors="replace") for m in client.lrange(env.queue, 0, -1)]
-        unacked = {tag.decode(): raw.decode(errors="replace")
-                   for tag, raw in client.hgetall("unacked").items()}
-    finally:
-        client.close()
-    return queued, unacked
-
-
-def _lost_by_redis(env: Env, cluster: Cluster, submitted: list[str], state: State
-                   ) -> set[str]:
-    """Tasks that a Redis restart lost before any worker received them: no claim, not in
-    the queue, not among the delivered-unacknowledged messages, in no worker's log.
-
-    kombu's Redis transport takes a message off the list (``BRPOP``) before it records
-    it as unacknowledged; a restart that cuts the connection while the reply is on its
-    way loses the message for good. pulse's promises start when a worker receives a
-    delivery: one that did leaves a claim, or the message stays unacknowledged (and is
-    restored) until its claim is written, or the worker logs its id.
-    """
-
-    claimed = {c.task_id for c in state.claims}
-    missing = [task_id for task_id in submitted if task_id not in claimed]
-    if not missing:
-        return set()
-    queued, unacked = _redis_messages(env)
-    held = queued + list(unacked.values())
-    logs = cluster.logs()
-    return {task_id for task_id in missing
-            if not any(task_id in m for m in held) and task_id not in logs}
-
-
-def _broker_state(env: Env, cluster: Cluster, stuck: list[str]) -> list[str]:
-    """Where the unsettled tasks' messages are: ready in the queue, or delivered and not
-    acknowledged (and to which worker). Best effort."""
-    out: list[str] = []
-    try:
-        if env.broker_url.startswith("redis"):
-            import redis
-
-            queued, unacked = _redis_messages(env)
-            client: Any = redis.Redis.from_url(env.broker_url, socket_timeout=5)
-            since = {tag.decode(): score for tag, score in
-                     client.zrange("unacked_index", 0, -1, withscores=True)}
-            out.append(f"redis: {len(queued)} ready in {env.queue}, {len(unacked)} unacked")
-            for task_id in stuck:
-                ready = sum(task_id in m for m in queued)
-                held = [f"{tag} (since {since.get(tag)})" for tag, raw in unacked.items()
-                        if task_id in raw]
-                out.append(f"  {task_id}: ready x{ready}, unacked {held}")
-            client.close()
-        else:
-            ports = _worker_ports(cluster)
-            for args in (["list_queues", "name", "messages_ready", "messages_unacknowledged",
-                          "consumers"],
-                         ["list_channels", "connection", "name", "consumer_count",
-                          "messages_unacknowledged", "prefetch_count"]):
-                vhost = ["-p", services.vhost_of(env.broker_url)] if args[0] == "list_queues" else []
-                proc = subprocess.run(["rabbitmqctl", "-q", *args, *vhost], capture_output=True,
-                                      text=True, timeout=60, check=False)
-                lines = proc.stdout.splitlines()
-                if args[0] == "list_queues":
-                    lines = [ln for ln in lines if env.queue in ln]
-                else:  # our workers' channels, named by the connection's client port
-                    lines = [f"{ln}  <- {name}" for ln in lines
-                             for port, name in ports.items() if f":{port} ->" in ln]
-                out.append(f"rabbitmqctl {args[0]}:")
-                out += [f"  {ln}" for ln in lines]
-    except Exception as exc:  # evidence is best effort
-        out.append(f"broker unreadable: {exc!r}")
-    return out
-
-
-def _worker_ports(cluster: Cluster) -> dict[int, str]:
-    """Local TCP ports of the live workers' main processes, by ``ss``."""
-    pids = {w.pid: name for name, w in cluster.workers.items() if w.proc.poll() is None}
-    proc = subprocess.run(["ss", "-tnpH"], capture_output=True, text=True, timeout=30,
-                          check=False)
-    ports: dict[int, str] = {}
-    for line in proc.stdout.splitlines():
-        for pid, name in pids.items():
-            if f"pid={pid}," in line:
-                local = line.split()[3]
-                ports[int(local.rsplit(":", 1)[1])] = name
-    return ports
 
 
 _NOW = {"postgresql": "select extract(epoch from clock_timestamp())",

@@ -34,6 +34,15 @@ def test_a_task_the_broker_lost_before_delivery_is_counted_apart() -> None:
     assert any("c: stuck in running" in v for v in report.violations)
 
 
+def test_a_republication_the_broker_lost_is_counted_apart_only_while_open() -> None:
+    """Recover's re-publication lost by the broker leaves its claim ``open``: counted
+    apart when the test named it; an ``open`` claim it did not name is still stuck."""
+    report = check(["a", "b"], [claim("a", "open"), claim("b", "open")], [], [],
+                   lost_by_broker=["a"])
+    assert report.broker_lost == 1
+    assert [v for v in report.violations if "stuck" in v] == ["b: stuck in open (epoch 1)"]
+
+
 def test_two_effects_are_a_violation() -> None:
     report = check(["a"], [claim("a")], [], [("a", 1), ("a", 2)])
     assert any("2 fenced effects" in v for v in report.violations)
