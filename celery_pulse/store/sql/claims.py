@@ -81,16 +81,25 @@ class BatchClaims:
     # -- reservations ---------------------------------------------------------------------
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:
-        out: list[Grant | Refusal | None] = [None] * len(requests)
         if not requests:
             return []
         with translated("reserve"), self.conns.single() as conn:
-            for batch in rounds(list(enumerate(requests)), lambda item: item[1].task_id):
-                answers = self._round_again_if_contended(functools.partial(
-                    self._reserve_round, conn, holder, [r for _, r in batch], ttl))
-                for (i, _), answer in zip(batch, answers, strict=True):
-                    out[i] = answer
+            return self.reserve_in(conn, holder, requests, ttl)
+
+    def reserve_in(self, conn: sa.Connection, holder: str, requests: Sequence[ReserveRequest],
+                   ttl: float) -> list[Grant | Refusal]:
+        """:meth:`reserve` on ``conn``, in rounds of distinct task ids."""
+        out: list[Grant | Refusal | None] = [None] * len(requests)
+        for batch in rounds(list(enumerate(requests)), lambda item: item[1].task_id):
+            answers = self._round_again_if_contended(functools.partial(
+                self._reserve_round, conn, holder, [r for _, r in batch], ttl))
+            for (i, _), answer in zip(batch, answers, strict=True):
+                out[i] = answer
         return [answer for answer in out if answer is not None]
+
+    def rows(self, conn: sa.Connection, statement: Statement) -> Any:
+        """Run one of :mod:`.batch_sql`'s statements on ``conn``; its rows (tuples)."""
+        return conn.exec_driver_sql(*statement)
 
     def _round_again_if_contended(self, run: Callable[[], T]) -> T:
         """Run one round again after a deadlock (PostgreSQL: each round is one autocommit
@@ -109,7 +118,7 @@ class BatchClaims:
     def _reserve_round(self, conn: sa.Connection, holder: str, requests: list[ReserveRequest],
                        ttl: float) -> list[Grant | Refusal]:
         """One statement for requests of distinct task ids."""
-        rows = conn.exec_driver_sql(*self.sql.reserve_statement(holder, requests, ttl))
+        rows = self.rows(conn, self.sql.reserve_statement(holder, requests, ttl))
         return self.reserve_answers(conn, requests, rows)
 
     def reserve_answers(self, conn: sa.Connection | None, requests: Sequence[ReserveRequest],
@@ -161,10 +170,18 @@ class BatchClaims:
         started = permits_sql.start_limited(self.conns, self.pipeline, holder, limited, ttl,
                                             permits or {}, waiting)
         for i in range(0, len(unique), CHUNK):
-            chunk: list[Any] = unique[i:i + CHUNK]
             with translated("start"), self.conns.single() as conn:
-                for row in conn.exec_driver_sql(*self.sql.start_statement(holder, chunk, ttl)):
-                    started[row[0]] = float(row[1])
+                started.update(self.start_in(conn, holder, unique[i:i + CHUNK], ttl))
+        return started
+
+    def start_in(self, conn: sa.Connection, holder: str, leases: Sequence[LeaseKey],
+                 ttl: float) -> dict[str, float]:
+        """Starts under no concurrency limit, on ``conn``: ``task_id -> lease_until``."""
+        started: dict[str, float] = {}
+        for i in range(0, len(leases), CHUNK):
+            chunk: list[Any] = list(leases[i:i + CHUNK])
+            for row in self.rows(conn, self.sql.start_statement(holder, chunk, ttl)):
+                started[row[0]] = float(row[1])
         return started
 
     # -- renewals -------------------------------------------------------------------------
@@ -202,32 +219,35 @@ class BatchClaims:
         """See the contract. Two completions of one task id in one call (a stale attempt's
         and the current one's) are applied in order, each to the claim as the earlier left
         it; the answer for that id is the best of theirs (applied, duplicate, evidence)."""
-        out: dict[str, str] = {}
         # A counter is a second statement that must commit with the completion: on
         # PostgreSQL that takes a transaction instead of autocommit.
         counting = any(c.result is not None and c.result.counter is not None
                        for c in completions)
         session = self.conns.engine.begin() if counting else self.conns.single()
         with translated("complete"), session as conn:
-            for batch in rounds(list(completions), lambda c: c.task_id):
-                for i in range(0, len(batch), CHUNK):
-                    chunk = batch[i:i + CHUNK]
-                    applied = {row[0] for row in conn.exec_driver_sql(
-                        *self.complete_statement(chunk))}
-                    mine = [c for c in chunk if c.result is not None and c.task_id in applied]
-                    if not self.results_in_statement:
-                        self.results.write_fenced(conn, [c.result for c in mine
-                                                         if c.result is not None])
-                    if counting:
-                        counts = self.results.count_parts(
-                            conn, [(c.task_id, c.result) for c in mine if c.result is not None])
-                        if counted is not None:
-                            counted.update(counts)
-                    answers = dict.fromkeys(applied, "applied")
-                    stale = [c for c in chunk if c.task_id not in applied]
-                    if stale:
-                        answers.update(stale_answers(conn, holder, stale, self.conns.now))
-                    best(out, answers)
+            return self.complete_in(conn, holder, completions, counted)
+
+    def complete_in(self, conn: sa.Connection, holder: str, completions: Sequence[Completion],
+                    counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
+        """:meth:`complete` on ``conn`` (a transaction, if a completion adds to a counter)."""
+        out: dict[str, str] = {}
+        for batch in rounds(list(completions), lambda c: c.task_id):
+            for i in range(0, len(batch), CHUNK):
+                chunk = batch[i:i + CHUNK]
+                applied = {row[0] for row in self.rows(conn, self.complete_statement(chunk))}
+                mine = [(c.task_id, c.result) for c in chunk
+                        if c.result is not None and c.task_id in applied]
+                if not self.results_in_statement and mine:
+                    self.results.write_fenced(conn, [r for _, r in mine])
+                if any(r.counter is not None for _, r in mine):
+                    counts = self.results.count_parts(conn, mine)
+                    if counted is not None:
+                        counted.update(counts)
+                answers = dict.fromkeys(applied, "applied")
+                stale = [c for c in chunk if c.task_id not in applied]
+                if stale:
+                    answers.update(stale_answers(conn, holder, stale, self.conns.now))
+                best(out, answers)
         return out
 
     def complete_statement(self, chunk: Sequence[Completion]) -> Statement:

@@ -15,6 +15,7 @@ from celery_pulse.store.sql.engine import EngineOptions, make_engine
 from celery_pulse.store.sql.errors import driver_message, refused_for_good
 from celery_pulse.store.sql.mysql import MySqlClaims
 from celery_pulse.store.sql.results import ResultRows
+from celery_pulse.store.sql.sqlite import SqliteClaims
 from celery_pulse.store.sql.store import SqlStore
 from celery_pulse.store_urls import mask_url
 
@@ -29,6 +30,8 @@ def claim_engine(conns: Connections, results: ResultRows) -> ClaimEngine:
         return PostgresClaims(conns, results)
     if family == "mysql":
         return MySqlClaims(conns, results)
+    if family == "sqlite":
+        return SqliteClaims(conns, results)
     return BatchClaims(conns, results)
 
 
