@@ -1,6 +1,7 @@
 """Where a ``-P pulse`` worker's time goes under load: py-spy on the parent and its children.
 
-One pulse worker (RabbitMQ, PostgreSQL store, ``-c 2``) works through a long queue of
+One pulse worker (RabbitMQ, PostgreSQL store unless ``PULSE_BENCH_PROFILE_STORE`` names
+another kind of :func:`~benchmarks.infra.fresh_store`, ``-c 2``) works through a long queue of
 no-op tasks while ``py-spy record --subprocesses --idle`` samples every thread for a
 few seconds. Each sample of the consumer loop (the parent's main thread) is put in
 one category by the frames on its stack; pool children are split into "waiting for
@@ -13,6 +14,7 @@ Sampling slows the worker down, so only shares are reported, not a rate.
 from __future__ import annotations
 
 import collections
+import os
 import shutil
 import subprocess
 import sys
@@ -110,7 +112,8 @@ def measure(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     queue = f"bench-prof-{uuid.uuid4().hex[:10]}"
     seconds = 4 if quick else 6
     raw = scratch.path("profile").with_suffix(".txt")
-    with infra.fresh_pg_schema(database_url) as store:
+    kind = os.environ.get("PULSE_BENCH_PROFILE_STORE", "postgres")
+    with infra.fresh_store(kind, scratch, database_url) as store:
         infra.declare_queue(broker, queue)
         try:
             infra.publish(broker, queue, [("bench.noop", [])] * (3000 if quick else 8000))
@@ -132,5 +135,5 @@ def measure(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
         finally:
             infra.delete_queue(broker, queue)
     result = categorise(raw)
-    result.update({"seconds": seconds, "rate_hz": 200})
+    result.update({"seconds": seconds, "rate_hz": 200, "store": kind})
     return result

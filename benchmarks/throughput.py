@@ -421,12 +421,25 @@ def run_procrastinate(scratch: infra.Scratch, database_url: str, workload: Workl
     }
 
 
+def _chosen(name: str) -> set[str] | None:
+    """A comma-separated choice from the environment (None: all), for a run of a few
+    cases: ``PULSE_BENCH_WORKLOADS=noop-2000 PULSE_BENCH_VARIANTS=prefork,pulse-sqlite``."""
+    value = os.environ.get(name, "").strip()
+    return {v.strip() for v in value.split(",") if v.strip()} or None
+
+
 def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
     database_url = infra.ensure_bench_database()
     runs: list[dict[str, Any]] = []
+    only_workloads = _chosen("PULSE_BENCH_WORKLOADS")
+    only_variants = _chosen("PULSE_BENCH_VARIANTS")
     for broker, workload, repeats in plan(quick):
+        if only_workloads is not None and workload.key not in only_workloads:
+            continue
         for rep in range(repeats):
             for variant in variants(broker, workload, quick):
+                if only_variants is not None and variant not in only_variants:
+                    continue
                 infra.log(f"throughput {broker} {workload.key} {variant} (#{rep + 1}/{repeats})")
                 result, disturbed = infra.retrying(
                     functools.partial(run_one, scratch, database_url, broker, variant, workload),

@@ -4,7 +4,9 @@ The SQL store is one class (:class:`~.store.SqlStore`); what differs between dat
 the hot path is an engine the factory picks for the dialect, Oban-style siblings that
 share helpers (:mod:`.claim_rows`), never each other's insides:
 
-* :class:`~.claims.BatchClaims` (SQLite): one multi-row statement per batch.
+* :class:`~.claims.BatchClaims`: one multi-row statement per batch.
+* :class:`~.sqlite.SqliteClaims` (SQLite): the same statements, a worker's whole
+  exchange in one transaction.
 * :class:`~.postgres.PostgresClaims` (PostgreSQL): the same statements, in autocommit,
   plus the exchange on libpq's pipeline.
 * :class:`~.mysql.MySqlClaims` (MySQL/MariaDB): one transaction per batch that decides

@@ -1,4 +1,4 @@
-"""The claim hot path in one statement per batch (SQLite; PostgreSQL builds on it).
+"""The claim hot path in one statement per batch (PostgreSQL and SQLite build on it).
 
 Every grant is one atomic statement whose ``WHERE`` clause carries both the credential
 check (token, epoch) and the expiry check by the store clock (:mod:`.batch_sql`). A task
