@@ -951,9 +951,14 @@ def bottleneck(prof: dict[str, Any], sq: dict[str, Any] | None) -> str:
     return text
 
 
+#: The profile's store kinds, as the report names them.
+STORE_NAMES = {"postgres": "PostgreSQL", "sqlite": "SQLite", "mariadb": "MariaDB"}
+
+
 def _md_profile(pr: dict[str, Any], lines: list[str], results: dict[str, Any]) -> None:
     lines += [f"`py-spy record --subprocesses --idle` sampled a `-P pulse -c 2` worker "
-              f"(RabbitMQ, PostgreSQL) for {pr['seconds']} s at {pr['rate_hz']} Hz while it "
+              f"(RabbitMQ, {STORE_NAMES.get(pr.get('store', 'postgres'), pr.get('store'))}) "
+              f"for {pr['seconds']} s at {pr['rate_hz']} Hz while it "
               f"worked through a long queue of no-op tasks. Shares of samples:", ""]
     for title, key in (("Consumer loop (parent, main thread)", "consumer_loop"),
                        ("Pool children (all)", "children"),
