@@ -12,9 +12,11 @@ permit keep their own transactions (:mod:`.permits`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import sqlite3
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
 
 from celery_pulse.store.base import Completion, Exchanged, LeaseKey, Permit, ReserveRequest
 from celery_pulse.store.rules import split_by_permits
@@ -27,8 +29,13 @@ class SqliteClaims(BatchClaims):
     """:class:`BatchClaims` with the exchange in one SQLite transaction."""
 
     def rows(self, conn: sa.Connection, statement: Statement) -> Any:
-        """On the driver's connection: its tuples are what the callers read."""
-        return conn.connection.driver_connection.execute(*statement)  # type: ignore[union-attr]
+        """On the driver's connection: its tuples are what the callers read. Its errors
+        are wrapped as SQLAlchemy wraps them, for :func:`.errors.translated`."""
+        try:
+            return conn.connection.driver_connection.execute(*statement)  # type: ignore[union-attr]
+        except sqlite3.Error as exc:
+            raise sa_exc.DBAPIError.instance(statement[0], statement[1], exc, sqlite3.Error,
+                                             hide_parameters=True) from exc
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
