@@ -11,8 +11,8 @@ permit keep their own transactions (:mod:`.permits`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import sqlite3
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
