@@ -54,8 +54,9 @@ TIMINGS = {"pulse_worker_ttl": 3, "pulse_heartbeat_interval": 0.5, "pulse_lease_
 #: Seconds every submitted task gets to settle once the faults stopped. On Redis a
 #: delivery caught in flight by a broker restart (e.g. a task's own retry, whose claim
 #: is ``open`` waiting for Celery's message) comes back only when kombu restores it:
-#: ``visibility_timeout`` (30 s under pulse) plus its throttled scan (every 10th call
-#: of a 10 s timer, so up to ~100 s more). Seen: 122 s.
+#: ``visibility_timeout`` (30 s under pulse) plus its scan (every 10 s under pulse), or
+#: once a scan's lock left by a Redis restart expires (60 s under pulse). Seen: 122 s
+#: with kombu's own scan (every 100 s) and lock (300 s: a stuck task, CI of stop 53).
 SETTLE = 180.0
 #: The limited kind and its limit (``pulse_concurrency`` in tests/apps/faultapp.py).
 LIMITED = "faultapp.limited"
