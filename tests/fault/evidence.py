@@ -35,14 +35,16 @@ def redis_messages(env: Env) -> tuple[list[str], dict[str, str]]:
 
 def lost_by_redis(env: Env, cluster: Cluster, submitted: list[str],
                   claimed: set[str]) -> set[str]:
-    """Tasks whose last publication a Redis restart lost before any worker received it.
+    """Tasks whose last publication Redis lost before any worker received it.
 
     kombu's Redis transport takes a message off the list (``BRPOP``) before it records
     it as unacknowledged; a restart that cuts the connection while the reply is on its
-    way loses the message for good. pulse's promises start when a worker receives a
-    delivery: one that did leaves a claim, or the message stays unacknowledged (and is
-    restored) until its claim is written, or the worker logs its id. Two kinds qualify,
-    each nowhere in the queue and among no unacknowledged message:
+    way, or a SIGKILL of the consumer before it wrote the record, loses the message for
+    good (docs/faq.md; the caller bounds how many its faults can lose). pulse's promises
+    start when a worker receives a delivery: one that did leaves a claim, or the message
+    stays unacknowledged (and is restored) until its claim is written, or the worker logs
+    its id. Two kinds qualify, each nowhere in the queue and among no unacknowledged
+    message:
 
     * a submitted task with no claim that no worker's log names;
     * a task Recover (or a requeue) published again, its claim ``open`` and published
