@@ -1148,6 +1148,10 @@ def _md_recovery(rc: dict[str, Any], lines: list[str], img: Path) -> None:
     lost_total = sum(c["prefetched_lost"] for c in rc["cases"] if c["pool"] == "pulse")
     text += ("No prefetched message was lost." if lost_total == 0 else
              f"**{lost_total} prefetched messages were lost** (target 0).")
+    text += (" (The worker is killed once its prefetch is reserved. On Redis a worker killed "
+             "while kombu's `BRPOP` answer is in flight, before kombu records the message as "
+             "unacknowledged, loses that message: see the FAQ, \"What does pulse change in "
+             "the Redis transport's settings?\".)")
     lines.append(text)
 
 
