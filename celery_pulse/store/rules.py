@@ -159,3 +159,11 @@ def split_by_permits(permits: Mapping[str, Sequence[Permit]] | None,
         return [], list(leases)
     return ([lease for lease in leases if permits.get(lease[0])],
             [lease for lease in leases if not permits.get(lease[0])])
+
+
+def split_starts(permits: Mapping[str, Sequence[Permit]] | None,
+                 leases: Sequence[LeaseKey]) -> tuple[list[LeaseKey], list[LeaseKey]]:
+    """:func:`split_by_permits` of ``leases`` each once (a start asked twice in a batch
+    is one start)."""
+    return split_by_permits(permits, list(dict.fromkeys(
+        (lease[0], lease[1], lease[2]) for lease in leases)))

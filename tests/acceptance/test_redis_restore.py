@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_pulse.bootsteps.runtime import REDIS_VISIBILITY_MIN
+from tests.fault.evidence import redis_messages
 from tests.fault.nemesis import PrivateRedis
 from tests.helpers import services
 from tests.helpers.workers import Env, Worker, wait_for
@@ -51,16 +52,10 @@ def private_redis() -> Iterator[PrivateRedis]:
 
 def _where(env: Env, task_id: str) -> str:
     """The task's message in the broker: ready, unacknowledged, or nowhere."""
-    import redis
-
-    client = redis.Redis.from_url(env.broker_url)
-    key = task_id.encode()
-    try:
-        if any(key in m for m in client.lrange(env.queue, 0, -1)):
-            return "ready"
-        return "unacknowledged" if any(key in m for m in client.hvals("unacked")) else "nowhere"
-    finally:
-        client.close()
+    queued, unacked = redis_messages(env)
+    if any(task_id in m for m in queued):
+        return "ready"
+    return "unacknowledged" if any(task_id in m for m in unacked.values()) else "nowhere"
 
 
 def _waiting_for_the_lock(conn: sa.Connection) -> int:

@@ -29,7 +29,7 @@ from celery_pulse.store.base import (
     Refusal,
     ReserveRequest,
 )
-from celery_pulse.store.rules import new_publication, rounds, split_by_permits
+from celery_pulse.store.rules import new_publication, rounds, split_starts
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.batch_sql import BatchSql, Statement
 from celery_pulse.store.sql.claim_rows import (
@@ -165,8 +165,7 @@ class BatchClaims:
                    waiting: set[str] | None = None) -> dict[str, float]:
         # Plain SQL, built once per batch size: run by the worker's committer for every
         # task, right before the pool gets the job.
-        limited, unique = split_by_permits(permits, list(dict.fromkeys(
-            (lease[0], lease[1], lease[2]) for lease in leases)))
+        limited, unique = split_starts(permits, leases)
         started = permits_sql.start_limited(self.conns, self.pipeline, holder, limited, ttl,
                                             permits or {}, waiting)
         for i in range(0, len(unique), CHUNK):

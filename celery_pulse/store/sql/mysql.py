@@ -47,7 +47,7 @@ from celery_pulse.store.rules import (
     grantable,
     new_publication,
     queue_of,
-    split_by_permits,
+    split_starts,
 )
 from celery_pulse.store.rules import rounds as in_rounds
 from celery_pulse.store.sql import permits as permits_sql
@@ -258,8 +258,7 @@ class MySqlClaims:
                    permits: Mapping[str, Sequence[Permit]] | None = None,
                    waiting: set[str] | None = None) -> dict[str, float]:
         now = self.conns.now
-        limited, unique = split_by_permits(permits, list(dict.fromkeys(
-            (lease[0], lease[1], lease[2]) for lease in leases)))
+        limited, unique = split_starts(permits, leases)
         started = permits_sql.start_limited(self.conns, None, holder, limited, ttl,
                                             permits or {}, waiting)
         for i in range(0, len(unique), CHUNK):

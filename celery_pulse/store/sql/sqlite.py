@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from celery_pulse.store.base import Completion, Exchanged, LeaseKey, Permit, ReserveRequest
-from celery_pulse.store.rules import split_by_permits
+from celery_pulse.store.rules import split_starts
 from celery_pulse.store.sql.batch_sql import Statement
 from celery_pulse.store.sql.claims import BatchClaims
 from celery_pulse.store.sql.errors import translated
@@ -42,8 +42,7 @@ class SqliteClaims(BatchClaims):
                  permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged | None:
         """Completions, then reservations, then starts, in one transaction; None (the
         three verbs, in order) when a start needs a permit."""
-        limited, unique = split_by_permits(permits, list(dict.fromkeys(
-            (lease[0], lease[1], lease[2]) for lease in starts)))
+        limited, unique = split_starts(permits, starts)
         if limited:
             return None
         counted: dict[str, tuple[int, str]] = {}
