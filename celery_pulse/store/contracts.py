@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from celery_pulse.store.channels import PendingExchange, PermitSignals
+from celery_pulse.store.checkpoints import CheckpointStore
 from celery_pulse.store.leader_contracts import BeatStore, LeaderStore
 from celery_pulse.store.pages import ClaimDetail, ClaimPage, ClaimQuery
 from celery_pulse.store.records import (
@@ -347,5 +348,5 @@ class RecoverStore(abc.ABC):
         :class:`~celery_pulse.errors.Moved` as :meth:`review_retry`."""
 
 
-class Store(RegistryStore, ClaimStore, RecoverStore, LeaderStore, BeatStore):
+class Store(RegistryStore, ClaimStore, RecoverStore, LeaderStore, BeatStore, CheckpointStore):
     """The whole contract (the SQL store implements it)."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from celery_pulse.store.contracts import Store
 from celery_pulse.store.gateway_state import MemoryGatewayState
+from celery_pulse.store.memory.checkpoints import MemoryCheckpoints
 from celery_pulse.store.memory.claims import MemoryClaims
 from celery_pulse.store.memory.credentials import MemoryCredentials
 from celery_pulse.store.memory.leader import MemoryLeader
@@ -31,7 +32,7 @@ __all__ = ["MemoryStore"]
 
 
 class MemoryStore(MemoryViews, MemoryRegistry, MemoryClaims, MemoryRecover, MemoryLeader,
-                  Store):
+                  MemoryCheckpoints, Store):
     """Dictionary-backed store; ``clock`` is the store clock (default: ``time.time``)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:

@@ -70,6 +70,11 @@ class ClaimRow:
     outcome: str | None = None
     error: str | None = None
     queue: str | None = None
+    #: The latest checkpoint (JSON), the attempt and its write that made it, when.
+    checkpoint: str | None = None
+    checkpoint_epoch: int | None = None
+    checkpoint_seq: int | None = None
+    checkpoint_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

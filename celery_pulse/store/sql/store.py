@@ -33,6 +33,7 @@ from celery_pulse.store.base import (
 )
 from celery_pulse.store.sql import migrate
 from celery_pulse.store.sql.beat import SqlBeat
+from celery_pulse.store.sql.checkpoints import SqlCheckpoints
 from celery_pulse.store.sql.claim_engine import ClaimEngine
 from celery_pulse.store.sql.claims_admin import SqlClaimsAdmin
 from celery_pulse.store.sql.connections import Connections
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 
 class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlViews, SqlRecover, SqlReviews, SqlLeader,
-               SqlBeat, SqlRetention, Store):
+               SqlBeat, SqlRetention, SqlCheckpoints, Store):
     """A :class:`Store` on a SQLAlchemy engine (PostgreSQL, MySQL/MariaDB or SQLite),
     its hot path run by ``claims`` (see :func:`~.factory.store_on`)."""
 

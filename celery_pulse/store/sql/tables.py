@@ -66,6 +66,12 @@ claims = sa.Table(
     #: The delivery's routing key, kept at reservation for the operators' filter (NULL on
     #: claims reserved before revision 0011).
     sa.Column("queue", sa.String(255)),
+    #: The latest checkpoint (JSON), the attempt and the write of it that made it, and
+    #: when by the store clock (revision 0017; :mod:`celery_pulse.store.checkpoints`).
+    sa.Column("checkpoint", TEXT),
+    sa.Column("checkpoint_epoch", sa.BigInteger),
+    sa.Column("checkpoint_seq", sa.BigInteger),
+    sa.Column("checkpoint_at", SECONDS),
     # The operators' pages (newest first under one filter): each filter walks its own
     # index in ``created_at`` order and stops after one page (revision 0011).
     *[sa.Index(f"ix_pulse_claims_{name}", *columns, "created_at", "task_id")
