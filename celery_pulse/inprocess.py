@@ -25,6 +25,7 @@ from celery import current_task
 from celery_pulse import lease as pulse_lease
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.lease import Lease
+from celery_pulse.store.checkpoints import Checkpoint, encode_checkpoint
 
 #: The epoch of an in-process lease: no store ever granted it (real epochs start at 1).
 IN_PROCESS_EPOCH = 0
@@ -70,6 +71,16 @@ class InProcessLease(Lease):
     @property
     def lost(self) -> bool:
         return False
+
+    def checkpoint(self, value: Any, *, wait: bool = False) -> None:
+        """Checked as a pulse worker checks it (JSON, at most 64 KiB), then kept here
+        only: no later attempt of an in-process task reads it."""
+        encode_checkpoint(value)
+        self.checkpoint_seq += 1
+
+    @property
+    def last_checkpoint(self) -> Checkpoint | None:
+        return None
 
 
 def current_lease() -> Lease | None:

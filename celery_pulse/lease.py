@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
-from celery_pulse.errors import LeaseLost
+from celery_pulse.errors import InvalidConfig, LeaseLost, PulseError
 from celery_pulse.store.base import mask_token
+from celery_pulse.store.checkpoints import Checkpoint, encode_checkpoint
 
 #: ``(deadline, lost)`` reader supplied by the pool child; None when the slot is gone.
 DeadlineReader = Callable[[], "tuple[float, bool] | None"]
@@ -40,6 +41,20 @@ class FenceKind(Protocol):
         """A plain transaction on ``target``: an in-process lease's fence."""
 
 
+class Checkpointer(Protocol):
+    """Where a lease's checkpoints go (the pool child's: :mod:`celery_pulse.pool.checkpointing`)."""
+
+    def write(self, lease: Lease, seq: int, text: str, wait: bool) -> None:
+        """Record ``text`` as write ``seq`` of this attempt: carried by the worker's next
+        renewal, or (``wait``) committed before returning; LeaseLost if the store refuses."""
+
+    def last(self, lease: Lease) -> Checkpoint | None:
+        """The task's checkpoint committed by an earlier attempt, if any."""
+
+
+#: A fenced block's own writer of checkpoints: it commits them with the block.
+FenceWriter = Callable[[int, str], None]
+
 #: The kinds registered, newest last.
 _kinds: list[FenceKind] = []
 
@@ -59,7 +74,8 @@ class Lease:
     """The lease under which the current task runs."""
 
     def __init__(self, task_id: str, epoch: int, token: str, holder: str, *,
-                 read_deadline: DeadlineReader, fencer: Fencer, initial_deadline: float) -> None:
+                 read_deadline: DeadlineReader, fencer: Fencer, initial_deadline: float,
+                 checkpointer: Checkpointer | None = None) -> None:
         self.task_id = task_id
         self.epoch = epoch
         self.token = token
@@ -68,6 +84,12 @@ class Lease:
         self._fencer = fencer
         self._initial_deadline = initial_deadline
         self._lost_signalled = False
+        self._checkpointer = checkpointer
+        #: This attempt's last checkpoint write (its sequence number).
+        self.checkpoint_seq = 0
+        self._last: tuple[Checkpoint | None] | None = None  # read once, then kept
+        self._fences = 0  # fenced blocks open
+        self._fence_writer: FenceWriter | None = None
         #: A LeaseLost was raised into the task already (by a check, a fenced block or
         #: the signal): the signal raises no second one while the task unwinds the first.
         self.raised = False
@@ -117,16 +139,67 @@ class Lease:
         return (f"lease lost for task {self.task_id} epoch {self.epoch}: this attempt, on "
                 f"{self.holder}, no longer holds the task; stop applying side effects")
 
-    def fenced(self, conn: Any) -> AbstractContextManager[Any]:
+    @contextmanager
+    def fenced(self, conn: Any) -> Iterator[Any]:
         """Run a block of writes on the store's database that commits only while we hold.
 
         ``conn`` is a SQLAlchemy ``Connection`` or ``Session`` on the store's database,
         not in a transaction (or a registered kind's: Django's ``connection`` with
         ``celery_pulse.contrib.django``). The claim row stays locked until commit, so no
         takeover can be granted in between; on loss the block rolls back and raises
-        LeaseLost.
+        LeaseLost. A :meth:`checkpoint` inside a SQLAlchemy block commits with it.
         """
-        return self._fencer(self, conn)
+        with self._fencer(self, conn) as target:
+            self._fences += 1
+            try:
+                yield target
+            finally:
+                self._fences -= 1
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        return self._checkpointer
+
+    def fence_writes(self, writer: FenceWriter | None) -> None:
+        """Set (None: clear) the open fenced block's checkpoint writer (the fence's)."""
+        self._fence_writer = writer
+
+    # -- checkpoints (issue 40) --------------------------------------------------------
+    def checkpoint(self, value: Any, *, wait: bool = False) -> None:
+        """Record ``value`` (JSON, at most 64 KiB) as how far this task got.
+
+        Fenced: only this attempt, while it holds the lease, can make it the task's
+        checkpoint; a later attempt reads it as :attr:`last_checkpoint`. By default the
+        worker's next renewal carries it (the latest value of each task, batched with
+        the other renewals: no statement of its own); ``wait=True`` returns once it is
+        committed. Inside a ``fenced()`` block it commits with the block. LeaseLost if
+        this attempt no longer holds the lease: its value is never read.
+        """
+        text = encode_checkpoint(value)
+        self.check()
+        if self._checkpointer is None:
+            raise PulseError("checkpoints need a pulse worker with a SQL store "
+                             "(a gateway worker cannot carry them yet)")
+        if self._last is None:  # before this attempt's first write replaces it
+            self._last = (self._checkpointer.last(self),)
+        self.checkpoint_seq += 1
+        if self._fence_writer is not None:
+            self._fence_writer(self.checkpoint_seq, text)
+            return
+        if self._fences:
+            raise InvalidConfig("lease.checkpoint() inside a fenced block of this kind of "
+                                "connection cannot commit with it: call it after the block")
+        self._checkpointer.write(self, self.checkpoint_seq, text, wait)
+
+    @property
+    def last_checkpoint(self) -> Checkpoint | None:
+        """The task's checkpoint committed by an earlier attempt (Recover's re-dispatch,
+        a retry, a requeue, ``review retry``): value, epoch and store time; None on a
+        first attempt. Read from the store once, at first use."""
+        if self._last is None:
+            self._last = (None if self._checkpointer is None
+                          else self._checkpointer.last(self),)
+        return self._last[0]
 
 
 def current_lease() -> Lease | None:

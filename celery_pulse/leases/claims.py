@@ -128,6 +128,8 @@ class Counters:
     stale_completions: int = 0
     renewals: int = 0
     renew_failures: int = 0
+    #: Checkpoints the renewals carried to the store.
+    checkpoints: int = 0
     store_errors: int = 0
     #: Reservations the store refused to decide for contention (rows locked by other
     #: workers through all of its retries): tried again, not counted as store errors.

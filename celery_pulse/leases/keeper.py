@@ -29,7 +29,7 @@ from celery_pulse.leases.commit import CommitThread
 from celery_pulse.leases.exchange import Exchanger
 from celery_pulse.leases.loop import LoopCommitter, Reactor
 from celery_pulse.leases.ops import Op
-from celery_pulse.leases.renewal import Renewer
+from celery_pulse.leases.renewal import CheckpointCarrier, Renewer
 from celery_pulse.leases.table import ClaimTable
 from celery_pulse.leases.watchdog import Watchdog
 from celery_pulse.store.base import ClaimStore, Completion, Grant, Refusal, ReserveRequest
@@ -44,7 +44,8 @@ class LeaseKeeper(ClaimTable):
 
     def __init__(self, store: ClaimStore, holder: str, *, ttl: float, interval: float,
                  margin: float, grace: float, listener: LeaseListener,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 checkpoints: CheckpointCarrier | None = None) -> None:
         super().__init__(ttl=ttl, margin=margin, grace=grace, listener=listener,
                          monotonic=monotonic)
         self.store = store
@@ -54,7 +55,8 @@ class LeaseKeeper(ClaimTable):
         self.committer = CommitThread(self.exchanger)
         self.watchdog = Watchdog(self, interval=interval)
         self.renewer = Renewer(self, store, holder, interval=interval,
-                               enforce_deadlines=self.watchdog.enforce_deadlines)
+                               enforce_deadlines=self.watchdog.enforce_deadlines,
+                               checkpoints=checkpoints)
         self._loop_committer: LoopCommitter | None = None
 
     # -- lifecycle ----------------------------------------------------------

@@ -41,7 +41,7 @@ from typing import Any
 from celery_pulse.backend import carried_by_completions, deferred_result, record_fields
 from celery_pulse.errors import LeaseLost, PulseError
 from celery_pulse.lease import Lease, current_lease, set_current
-from celery_pulse.pool import interrupt
+from celery_pulse.pool import checkpointing, interrupt
 from celery_pulse.pool.slots import DeadlineTable
 from celery_pulse.settings import Settings
 from celery_pulse.store.base import LIVE_STATES, OPEN
@@ -120,6 +120,15 @@ def _pooler_mode() -> str:
     from celery_pulse.store.sql.pooler import mode_of
 
     return mode_of(_child_store().engine)
+
+
+def _checkpointer(slot: int | None) -> checkpointing.SlotCheckpointer | None:
+    """The attempt's checkpoints: none on a gateway worker (no SQL store here)."""
+    assert _context is not None
+    if _context.settings is not None and _context.settings.gateway_url is not None:
+        return None
+    return checkpointing.SlotCheckpointer(_child_store, _context.holder, _context.ttl,
+                                          _context.table.checkpoints, slot)
 
 
 def _task_codes(name: str) -> frozenset[CodeType]:
@@ -283,7 +292,8 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
                   read_deadline=(lambda: table.read(slot, task_id)) if slot is not None
                   else (lambda: None),
                   fencer=_fencer(),
-                  initial_deadline=info["deadline"])
+                  initial_deadline=info["deadline"],
+                  checkpointer=_checkpointer(slot))
     if lease.lost:
         # Lost between the start and now (the signal found no task frame to raise
         # in): never start the body. The store decides what happens next (Recover).
@@ -307,5 +317,6 @@ def run_leased(target: Any, *args: Any, **kwargs: Any) -> Any:
         _armed = None
         if lease.raised:
             _report_lost(lease, args[0])
+        checkpointing.flush(lease)
         set_current(None)
         interrupt.settle()  # an interrupted process is replaced before its next job

@@ -93,7 +93,7 @@ class PulseWorker:
         self.keeper = LeaseKeeper(store, hostname, ttl=settings.lease_ttl,
                                   interval=settings.renew_interval,
                                   margin=settings.safety_margin, grace=settings.revoke_grace,
-                                  listener=self)
+                                  listener=self, checkpoints=self.table.checkpoints)
         self.ahead = StartAhead(self.keeper, lambda: self.loop, concurrency,
                                 lambda *_args: None, lambda claim: self.waits.waiting_for(claim))
         #: Cluster-wide concurrency limits, and the tasks of this worker waiting for one
@@ -388,7 +388,7 @@ class PulseWorker:
                        "stale_completions": counters.stale_completions,
                        "renewals": counters.renewals, "renew_failures": counters.renew_failures,
                        "store_errors": counters.store_errors,
-                       "contended": counters.contended,
+                       "contended": counters.contended, "checkpoints": counters.checkpoints,
                        "exchanges": counters.exchanges,
                        "exchanged_ops": counters.exchanged_ops,
                        "rejected": counters.rejected},

@@ -123,6 +123,15 @@ def test_checkpoints_one_call_answers_each_lease_on_its_own(store: Store) -> Non
     assert store.last_checkpoint(other.task_id) is None
 
 
+def test_checkpoints_one_call_writes_many_leases(store: Store) -> None:
+    """A renewal carries every running task's checkpoint in one call."""
+    grants = [running(store) for _ in range(5)]
+    assert store.checkpoint(W1, [write(g, 1, {"n": i}) for i, g in enumerate(grants)]) == (
+        {g.task_id for g in grants}, set())
+    assert [store.last_checkpoint(g.task_id).value for g in grants] == [  # type: ignore[union-attr]
+        {"n": i} for i in range(5)]
+
+
 def test_checkpoints_a_value_too_large_or_not_json_is_refused_before_any_write() -> None:
     encode_checkpoint("x" * (MAX_CHECKPOINT_BYTES - 2))  # its quotes make it the limit
     with pytest.raises(CheckpointTooLarge, match="more than 65536"):

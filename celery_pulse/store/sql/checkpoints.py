@@ -27,7 +27,8 @@ CHUNK = 500
 c = claims.c
 
 
-def _write_statement(holder: str, now: Any) -> Any:
+def write_statement(holder: str, now: Any) -> Any:
+    """One fenced checkpoint write (bound as ``cp_*``), kept only if newer than the row's."""
     epoch: Any = sa.bindparam("cp_epoch")
     seq: Any = sa.bindparam("cp_seq")
     newer = sa.or_(c.checkpoint_epoch.is_(None), c.checkpoint_epoch < epoch,
@@ -35,9 +36,17 @@ def _write_statement(holder: str, now: Any) -> Any:
     return (sa.update(claims)
             .where(c.task_id == sa.bindparam("cp_task"), c.epoch == epoch,
                    c.token == sa.bindparam("cp_token"), c.holder == holder,
-                   c.state.in_(LIVE_STATES), c.lease_until > now, newer)
+                   # no IN list: its expanding parameter cannot go in an executemany
+                   sa.or_(*(c.state == state for state in LIVE_STATES)),
+                   c.lease_until > now, newer)
             .values(checkpoint=sa.bindparam("cp_value"), checkpoint_epoch=epoch,
                     checkpoint_seq=seq, checkpoint_at=now))
+
+
+def params(write: CheckpointWrite) -> dict[str, Any]:
+    """:func:`write_statement`'s parameters for ``write``."""
+    return {"cp_task": write.task_id, "cp_epoch": write.epoch, "cp_token": write.token,
+            "cp_seq": write.seq, "cp_value": write.value}
 
 
 class SqlCheckpoints:
@@ -79,9 +88,7 @@ class SqlCheckpoints:
         busy = set(conn.execute(live(missing)).scalars()) if missing and skips else set()
         todo = [w for w in chunk if w.task_id in got]
         if todo:
-            conn.execute(_write_statement(holder, now), [
-                {"cp_task": w.task_id, "cp_epoch": w.epoch, "cp_token": w.token,
-                 "cp_seq": w.seq, "cp_value": w.value} for w in todo])
+            conn.execute(write_statement(holder, now), [params(w) for w in todo])
         return got, busy
 
     def last_checkpoint(self, task_id: str) -> Checkpoint | None:

@@ -26,6 +26,8 @@ from sqlalchemy.orm import Session
 from celery_pulse.errors import InvalidConfig
 from celery_pulse.lease import Lease, fence_kind_of
 from celery_pulse.store.base import LIVE_STATES
+from celery_pulse.store.checkpoints import CheckpointWrite
+from celery_pulse.store.sql import checkpoints
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.engine import drop_on_failover
 from celery_pulse.store.sql.tables import claims
@@ -81,10 +83,12 @@ def make_fencer(store_url: str, ttl: float, pooler_mode: Callable[[], str] | Non
         with target.begin():
             conn = target.connection() if isinstance(target, Session) else target
             saved = _guard(conn, lease)
+            lease.fence_writes(lambda seq, text: _checkpoint(conn, lease, seq, text))
             try:
                 yield target
                 _recheck(conn, lease)
             finally:
+                lease.fence_writes(None)
                 _restore(conn, saved)
 
     def _check_database(conn: sa.Connection) -> None:
@@ -125,6 +129,13 @@ def make_fencer(store_url: str, ttl: float, pooler_mode: Callable[[], str] | Non
             raise lease.lost_error(" (expired before commit)")
 
     return fencer
+
+
+def _checkpoint(conn: sa.Connection, lease: Lease, seq: int, text: str) -> None:
+    """A checkpoint in the fenced block's transaction: it commits with the block."""
+    write = CheckpointWrite(lease.task_id, lease.epoch, lease.token, seq, text)
+    conn.execute(checkpoints.write_statement(lease.holder, Dialect(conn.dialect.name).now()),
+                 checkpoints.params(write))
 
 
 def postgres_caps(ttl: float) -> list[str]:
