@@ -23,10 +23,13 @@ from celery_pulse.inprocess import InProcessLease, current_lease
 from celery_pulse.install import install
 from celery_pulse.lease import Lease
 from celery_pulse.settings import Settings
+from celery_pulse.store.checkpoints import Checkpoint, CheckpointTooLarge
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointTooLarge",
     "Contended",
     "InProcessLease",
     "InvalidConfig",

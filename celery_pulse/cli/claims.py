@@ -14,14 +14,17 @@ from celery_pulse.cli.context import echo_json, echo_lines, opened_store
 from celery_pulse.store.records import ClaimInfo
 
 
-def claim_payload(c: ClaimInfo) -> dict[str, Any]:
-    """A claim as ``--json`` shows it."""
+def claim_payload(c: ClaimInfo, now: float | None = None) -> dict[str, Any]:
+    """A claim as ``--json`` shows it (``now``: the store clock, for the checkpoint's age)."""
     return {"task_id": c.task_id, "task": c.task_name, "state": c.state, "holder": c.holder,
             "epoch": c.epoch, "attempts": c.attempts, "max_attempts": c.max_attempts,
             "policy": c.policy,
             "lease_remaining": None if c.lease_remaining is None else round(c.lease_remaining, 3),
             "outcome": c.outcome, "error": c.error, "created_at": c.created_at,
-            "started_at": c.started_at, "finished_at": c.finished_at}
+            "started_at": c.started_at, "finished_at": c.finished_at,
+            "checkpoint_at": c.checkpoint_at, "checkpoint_size": c.checkpoint_size,
+            "checkpoint_age": None if c.checkpoint_at is None or now is None
+            else round(now - c.checkpoint_at, 3)}
 
 
 @click.command()
@@ -34,7 +37,8 @@ def claim_payload(c: ClaimInfo) -> dict[str, Any]:
 def claims(ctx: click.Context, as_json: bool, states: list[str], limit: int) -> None:
     """Task claims: holder, epoch, remaining lease (store clock), attempts."""
     with opened_store(ctx) as store:
-        rows = [claim_payload(c) for c in store.list_claims(states, limit=limit)]
+        now = store.now()
+        rows = [claim_payload(c, now) for c in store.list_claims(states, limit=limit)]
     if as_json:
         echo_json(rows)
     else:

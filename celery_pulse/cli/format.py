@@ -9,6 +9,7 @@ hint is a command that can be pasted as is: it names the app the way the user ga
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -99,9 +100,19 @@ def claims_lines(rows: list[dict[str, Any]]) -> list[str]:
         return ["no claims"]
     cells = [[r["task_id"], r["state"], r["holder"] or "-", str(r["epoch"]),
               "-" if r["lease_remaining"] is None else seconds(r["lease_remaining"]),
-              f"{r['attempts']}/{r['max_attempts']}", r["task"]] for r in rows]
-    return table(["TASK ID", "STATE", "HOLDER", "EPOCH", "LEASE", "ATTEMPTS", "TASK"], cells,
-                 right=[3, 4, 5])
+              f"{r['attempts']}/{r['max_attempts']}", checkpoint_cell(r), r["task"]]
+             for r in rows]
+    return table(["TASK ID", "STATE", "HOLDER", "EPOCH", "LEASE", "ATTEMPTS", "CHECKPOINT",
+                  "TASK"], cells, right=[3, 4, 5])
+
+
+def checkpoint_cell(row: dict[str, Any]) -> str:
+    """A claim's last checkpoint in a table: its size and age (or when, without a clock)."""
+    if row.get("checkpoint_at") is None:
+        return "-"
+    age = row.get("checkpoint_age")
+    when = f"{age:.1f}s ago" if age is not None else iso(row["checkpoint_at"])
+    return f"{row['checkpoint_size']} B, {when}"
 
 
 def entered_review(item: dict[str, Any]) -> str:
@@ -116,9 +127,10 @@ def review_lines(items: list[dict[str, Any]], app: str) -> list[str]:
     if not items:
         return ["nothing needs review"]
     cells = [[i["task_id"], i["task_name"], i["last_holder"] or "-", str(i["epoch"]),
-              str(i["attempts"]), entered_review(i), i["args_summary"]] for i in items]
+              str(i["attempts"]), entered_review(i), checkpoint_cell(i), i["args_summary"]]
+             for i in items]
     lines = table(["TASK ID", "TASK", "LAST HOLDER", "EPOCH", "ATTEMPTS", "IN REVIEW SINCE",
-                   "ARGS"], cells, right=[3, 4])
+                   "CHECKPOINT", "ARGS"], cells, right=[3, 4])
     if any(i.get("entered_review_at") is None for i in items):
         lines.append("(after T: Recover moved the task to review before the store kept the "
                      "time of that; T is when its last attempt started)")
@@ -171,12 +183,28 @@ def status_lines(payload: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: How much of a checkpoint's value ``review show`` prints (``--json`` has all of it).
+CHECKPOINT_SHOWN = 200
+
+
+def checkpoint_line(checkpoint: dict[str, Any] | None) -> str:
+    """How far the task got, by its last checkpoint (``pulse review show``)."""
+    if checkpoint is None:
+        return "checkpoint: none"
+    value = json.dumps(checkpoint["value"], sort_keys=True)
+    if len(value) > CHECKPOINT_SHOWN:
+        value = value[:CHECKPOINT_SHOWN] + "…"
+    return (f"checkpoint: {value} (epoch {checkpoint['epoch']}, {checkpoint['size']} B, "
+            f"written {iso(checkpoint['written_at'])})")
+
+
 def detail_lines(payload: dict[str, Any]) -> list[str]:
     """One claim, its evidence and its review decisions (``pulse review show``)."""
     c = payload["claim"]
     lines = [f"{c['task_id']}  {c['task_name']}  {c['state']} at epoch {c['epoch']} "
              f"(holder {c['holder'] or '-'}, attempts {c['attempts']} of {c['max_attempts']})",
-             f"args: {payload['args_summary'] or '-'}"]
+             f"args: {payload['args_summary'] or '-'}",
+             checkpoint_line(payload.get("checkpoint"))]
     evidence = payload["evidence"]
     if evidence:
         lines.append("late outcomes of stale attempts (evidence, never applied):")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from celery_pulse.store.checkpoints import Checkpoint
 from celery_pulse.store.records import ClaimInfo
 
 
@@ -72,3 +73,4 @@ class ClaimDetail:
     args_summary: str  # ``argsrepr kwargsrepr`` from its headers, at most 200 characters
     evidence: list[EvidenceRow]  # stale completions, oldest first
     reviews: list[AuditRow]  # review decisions, oldest first
+    checkpoint: Checkpoint | None = None  # the last one an attempt committed

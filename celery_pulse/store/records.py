@@ -251,6 +251,9 @@ class ClaimInfo:
     outcome: str | None
     error: str | None
     queue: str | None = None
+    #: The task's last checkpoint: when it was written (store clock) and its JSON's size.
+    checkpoint_at: float | None = None
+    checkpoint_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -331,6 +334,9 @@ class ReviewItem:
     reason: str = ""
     #: Store time it entered review; None if the store did not record it (older rows).
     entered_at: float | None = None
+    #: How far it got: its last checkpoint's time (store clock) and size, if any.
+    checkpoint_at: float | None = None
+    checkpoint_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -120,4 +120,6 @@ def detail_row(detail: ClaimDetail) -> dict[str, Any]:
     return {"claim": claim_row(detail.claim), "retries": detail.retries,
             "args_summary": detail.args_summary,
             "evidence": [dataclasses.asdict(e) for e in detail.evidence],
-            "reviews": [dataclasses.asdict(r) for r in detail.reviews]}
+            "reviews": [dataclasses.asdict(r) for r in detail.reviews],
+            "checkpoint": None if detail.checkpoint is None else dataclasses.asdict(
+                detail.checkpoint)}

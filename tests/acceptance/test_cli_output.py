@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from celery_pulse.store.base import NEEDS_REVIEW, RESERVED, RUNNING, SUCCEEDED, Completion, Grant
+from celery_pulse.store.checkpoints import CheckpointWrite, encode_checkpoint
 from celery_pulse.store.records import LOST_TOKEN
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.timefmt import iso
@@ -86,7 +87,7 @@ def test_claims_state_is_validated_and_takes_comma_lists(
     text = out(env, "claims", "--state", "running, reserved").splitlines()
     header = text[0]
     assert header.split() == ["TASK", "ID", "STATE", "HOLDER", "EPOCH", "LEASE", "ATTEMPTS",
-                              "TASK"]
+                              "CHECKPOINT", "TASK"]
     for line in text[1:]:
         assert line.index(HOLDER) == header.index("HOLDER"), text
 
@@ -154,6 +155,41 @@ def test_review_show_lists_the_late_outcomes_of_stale_attempts(
     assert [(e["epoch"], e["outcome"], e["result"], e["error"])
             for e in payload["evidence"]] == [(1, "succeeded", "'charged'", None)]
     assert "no claim for task nope" in env.celery("pulse", "review", "show", "nope").stderr
+
+
+def test_a_checkpoint_shows_in_claims_review_and_review_show(
+        env: Env, store: Callable[[], SqlStore]) -> None:
+    """How far a task got: its checkpoint's size and age in the tables, its value in
+    ``review show`` (cut at 200 characters; ``--json`` has all of it)."""
+    s = store()
+    g, plain = running(s, policy="review"), running(s)
+    value = {"cursor": 350, "rows": list(range(100))}
+    text = encode_checkpoint(value)
+    assert s.checkpoint(HOLDER, [CheckpointWrite(g.task_id, g.epoch, g.token, 1, text)])[0] == {
+        g.task_id}
+    lines = out(env, "claims").splitlines()
+    column = lines[0].index("CHECKPOINT")
+    (row,) = [line for line in lines if line.startswith(g.task_id)]
+    assert row[column:].startswith(f"{len(text)} B, ") and "s ago" in row, lines
+    (other,) = [line for line in lines if line.startswith(plain.task_id)]
+    assert other[column:].split()[0] == "-", lines
+    listed = {r["task_id"]: r for r in env.celery_json("pulse", "claims")}
+    assert listed[g.task_id]["checkpoint_size"] == len(text)
+    assert 0 <= listed[g.task_id]["checkpoint_age"] < 60
+    assert listed[plain.task_id]["checkpoint_at"] is None
+
+    assert s.complete(HOLDER, [Completion(g.task_id, g.epoch, g.token, NEEDS_REVIEW,
+                                          "can't tell")]) == {g.task_id: "applied"}
+    review = out(env, "review").splitlines()
+    (row,) = [line for line in review if line.startswith(g.task_id)]
+    assert row[review[0].index("CHECKPOINT"):].startswith(f"{len(text)} B, "), review
+    shown = out(env, "review", "show", g.task_id)
+    (line,) = [x for x in shown.splitlines() if x.startswith("checkpoint: ")]
+    assert line.startswith('checkpoint: {"cursor": 350, "rows": [0, 1, 2') and "…" in line
+    assert f"(epoch {g.epoch}, {len(text)} B, written " in line
+    payload = env.celery_json("pulse", "review", "show", g.task_id, "--json")
+    assert payload["checkpoint"]["value"] == value
+    assert "checkpoint: none" in out(env, "review", "show", plain.task_id)
 
 
 def test_status_columns_line_up_and_the_hint_names_the_app(

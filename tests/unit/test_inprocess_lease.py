@@ -68,12 +68,40 @@ def app(tmp_path: Path, engine: sa.Engine) -> Celery:
             with lease.fenced(conn):
                 pass
 
+    @app.task(name="inprocess.walk", shared=False)
+    def walk(value: Any) -> list[Any]:
+        lease = current_lease()
+        assert lease is not None
+        with engine.connect() as conn, lease.fenced(conn):  # as a pulse worker allows
+            lease.checkpoint(value)
+        lease.checkpoint(value, wait=True)
+        return [lease.last_checkpoint, lease.checkpoint_seq]
+
     return app
 
 
 def stored(engine: sa.Engine) -> list[str]:
     with engine.connect() as conn:
         return sorted(conn.execute(sa.select(rows.c.value)).scalars())
+
+
+def test_checkpoints_in_process_are_checked_then_kept_nowhere(app: Celery) -> None:
+    """Code written for a pulse worker runs unchanged: its checkpoints are checked (JSON,
+    the size limit) as a worker checks them; no later attempt reads them."""
+    result = app.tasks["inprocess.walk"].apply(args=[{"next": 50}])
+    assert result.get() == [None, 2]
+    too_large = app.tasks["inprocess.walk"].apply(args=["x" * 70_000])
+    assert isinstance(too_large.result, celery_pulse.CheckpointTooLarge)
+    not_json = app.tasks["inprocess.walk"].apply(args=[{"when": object()}])
+    assert isinstance(not_json.result, TypeError)
+
+
+def test_a_lease_without_a_checkpointer_says_why_checkpoints_are_refused() -> None:
+    """A gateway worker's lease: no SQL store in its pool processes."""
+    lease = celery_pulse.Lease("t", 1, "k", "w@h", read_deadline=lambda: (1e18, False),
+                               fencer=lambda *_: None, initial_deadline=1e18)  # type: ignore
+    with pytest.raises(celery_pulse.PulseError, match="gateway worker cannot carry them"):
+        lease.checkpoint({"next": 1})
 
 
 def test_outside_any_task_there_is_no_lease() -> None:

@@ -22,7 +22,8 @@ def claim_info(r: ClaimRow, now: float) -> ClaimInfo:
     return ClaimInfo(r.task_id, r.task_name, r.state, r.holder, r.epoch, r.attempts,
                      r.max_attempts, r.policy,
                      None if r.lease_until is None else r.lease_until - now,
-                     r.created_at, r.started_at, r.finished_at, r.outcome, r.error, r.queue)
+                     r.created_at, r.started_at, r.finished_at, r.outcome, r.error, r.queue,
+                     r.checkpoint_at, None if r.checkpoint is None else len(r.checkpoint))
 
 
 class MemoryCore:

@@ -7,6 +7,7 @@ store holds a test's few claims, and its answers are what the SQL pages must equ
 
 from __future__ import annotations
 
+from celery_pulse.store.checkpoints import Checkpoint
 from celery_pulse.store.memory.core import MemoryCore, claim_info
 from celery_pulse.store.memory.tables import ClaimRow
 from celery_pulse.store.pages import AuditRow, ClaimDetail, ClaimPage, ClaimQuery, EvidenceRow
@@ -55,8 +56,10 @@ class MemoryViews(MemoryCore):
                         for e in self.tables.evidence if e.task_id == task_id]
             reviews = [AuditRow(r.action, r.outcome, r.note, r.decided_by, r.decided_at)
                        for r in self.tables.reviews if r.task_id == task_id]
+            checkpoint = None if row.checkpoint is None else Checkpoint.of(
+                row.checkpoint, row.checkpoint_epoch or 0, row.checkpoint_at or 0.0)
             return ClaimDetail(claim_info(row, now), row.retries, args_summary(row.headers),
-                               evidence, reviews)
+                               evidence, reviews, checkpoint)
 
     def oldest_review_since(self) -> float | None:
         with self._lock:
@@ -78,5 +81,7 @@ class MemoryViews(MemoryCore):
             return [ReviewItem(r.task_id, r.task_name, r.holder, r.epoch, r.attempts,
                                args_summary(r.headers), r.reserved_at or r.created_at,
                                review_reason(r.outcome, r.error, r.holder, r.epoch,
-                                             r.max_attempts), r.finished_at)
+                                             r.max_attempts), r.finished_at,
+                               r.checkpoint_at,
+                               None if r.checkpoint is None else len(r.checkpoint))
                     for r in rows[:limit]]

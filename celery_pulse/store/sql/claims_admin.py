@@ -37,7 +37,8 @@ def info_columns(conns: Connections) -> list[Any]:
             claims.c.epoch, claims.c.attempts, claims.c.max_attempts, claims.c.policy,
             (claims.c.lease_until - now).label("remaining"), claims.c.created_at,
             claims.c.started_at, claims.c.finished_at, claims.c.outcome, claims.c.error,
-            claims.c.queue]
+            claims.c.queue, claims.c.checkpoint_at,
+            sa.func.length(claims.c.checkpoint).label("checkpoint_size")]
 
 
 def claim_info(r: Any) -> ClaimInfo:
@@ -45,7 +46,8 @@ def claim_info(r: Any) -> ClaimInfo:
     return ClaimInfo(r.task_id, r.task_name, r.state, r.holder, int(r.epoch), int(r.attempts),
                      int(r.max_attempts), r.policy,
                      None if r.remaining is None else float(r.remaining), float(r.created_at),
-                     r.started_at, r.finished_at, r.outcome, r.error, r.queue)
+                     r.started_at, r.finished_at, r.outcome, r.error, r.queue,
+                     r.checkpoint_at, r.checkpoint_size)
 
 
 class SqlClaimsAdmin:

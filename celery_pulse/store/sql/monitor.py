@@ -16,6 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_pulse.store.checkpoints import Checkpoint
 from celery_pulse.store.pages import AuditRow, ClaimDetail, ClaimPage, ClaimQuery, EvidenceRow
 from celery_pulse.store.records import NEEDS_REVIEW
 from celery_pulse.store.sql.claims_admin import claim_info, info_columns
@@ -71,7 +72,8 @@ class SqlViews:
     def claim_detail(self, task_id: str) -> ClaimDetail | None:
         with translated("claim_detail"), self.conns.read() as conn:
             row = conn.execute(sa.select(*info_columns(self.conns), claims.c.retries,
-                                         claims.c.headers)
+                                         claims.c.headers, claims.c.checkpoint,
+                                         claims.c.checkpoint_epoch)
                                .where(claims.c.task_id == task_id)).one_or_none()
             if row is None:
                 return None
@@ -89,7 +91,9 @@ class SqlViews:
                          e.result)
              for e in stale],
             [AuditRow(a.action, a.outcome, a.note, a.decided_by, float(a.decided_at))
-             for a in audit])
+             for a in audit],
+            None if row.checkpoint is None else Checkpoint.of(
+                row.checkpoint, row.checkpoint_epoch, row.checkpoint_at or 0.0))
 
     def oldest_review_since(self) -> float | None:
         stmt = sa.select(sa.func.min(claims.c.finished_at)).where(claims.c.state == NEEDS_REVIEW)

@@ -64,7 +64,8 @@ class SqlReviews:
             sa.select(claims.c.task_id, claims.c.task_name, claims.c.holder, claims.c.epoch,
                       claims.c.attempts, claims.c.max_attempts, claims.c.headers,
                       claims.c.reserved_at, claims.c.created_at, claims.c.finished_at,
-                      claims.c.outcome, claims.c.error), query)
+                      claims.c.outcome, claims.c.error, claims.c.checkpoint_at,
+                      sa.func.length(claims.c.checkpoint).label("checkpoint_size")), query)
         stmt = stmt.order_by(claims.c.created_at, claims.c.task_id).limit(limit)
         with translated("list_review"), self.conns.read() as conn:
             rows = conn.execute(stmt).all()
@@ -72,7 +73,8 @@ class SqlReviews:
                            args_summary(r.headers), float(r.reserved_at or r.created_at),
                            review_reason(r.outcome, r.error, r.holder, int(r.epoch),
                                          int(r.max_attempts)),
-                           None if r.finished_at is None else float(r.finished_at))
+                           None if r.finished_at is None else float(r.finished_at),
+                           r.checkpoint_at, r.checkpoint_size)
                 for r in rows]
 
     def _audit(self, conn: sa.Connection, task_id: str, action: str, outcome: str | None,
