@@ -73,8 +73,8 @@ class InProcessLease(Lease):
         return False
 
     def checkpoint(self, value: Any, *, wait: bool = False) -> None:
-        """Checked as a pulse worker checks it (JSON, at most 64 KiB), then kept here
-        only: no later attempt of an in-process task reads it."""
+        """Checked as a pulse worker checks it (JSON, at most 64 KiB), then kept nowhere:
+        no later attempt of an in-process task reads it."""
         encode_checkpoint(value)
         self.checkpoint_seq += 1
 

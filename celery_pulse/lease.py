@@ -177,11 +177,9 @@ class Lease:
         """
         text = encode_checkpoint(value)
         self.check()
-        if self._checkpointer is None:
-            raise PulseError("checkpoints need a pulse worker with a SQL store "
-                             "(a gateway worker cannot carry them yet)")
+        checkpointer = self._checkpoints()
         if self._last is None:  # before this attempt's first write replaces it
-            self._last = (self._checkpointer.last(self),)
+            self._last = (checkpointer.last(self),)
         self.checkpoint_seq += 1
         if self._fence_writer is not None:
             self._fence_writer(self.checkpoint_seq, text)
@@ -189,7 +187,13 @@ class Lease:
         if self._fences:
             raise InvalidConfig("lease.checkpoint() inside a fenced block of this kind of "
                                 "connection cannot commit with it: call it after the block")
-        self._checkpointer.write(self, self.checkpoint_seq, text, wait)
+        checkpointer.write(self, self.checkpoint_seq, text, wait)
+
+    def _checkpoints(self) -> Checkpointer:
+        if self._checkpointer is None:
+            raise PulseError("checkpoints need a pulse worker with a SQL store "
+                             "(a gateway worker cannot carry them yet)")
+        return self._checkpointer
 
     @property
     def last_checkpoint(self) -> Checkpoint | None:
@@ -197,8 +201,7 @@ class Lease:
         a retry, a requeue, ``review retry``): value, epoch and store time; None on a
         first attempt. Read from the store once, at first use."""
         if self._last is None:
-            self._last = (None if self._checkpointer is None
-                          else self._checkpointer.last(self),)
+            self._last = (self._checkpoints().last(self),)
         return self._last[0]
 
 

@@ -70,6 +70,12 @@ def grantable(state: str, policy: str, expired: bool, attempts: int, max_attempt
         new_pub and state in RESTARTABLE_STATES)
 
 
+def restarts(state: str, new_pub: bool) -> bool:
+    """A new publication of a finished task: a new run, which no earlier run's checkpoint
+    concerns (a retry, a requeue or a re-dispatch continues the run, and keeps it)."""
+    return new_pub and state in RESTARTABLE_STATES
+
+
 def rounds(items: Iterable[T], key: Callable[[T], K]) -> list[list[T]]:
     """``items`` in rounds of distinct keys, in order: the n-th copy of a key goes in round
     n (a task id twice in one call is decided against the claim as the first left it)."""

@@ -104,6 +104,24 @@ def test_checkpoints_survive_a_requeue_and_a_later_epoch_replaces_them(store: St
     assert seen is not None and (seen.value, seen.epoch) == ({"cursor": 400}, again.epoch)
 
 
+@pytest.mark.parametrize("outcome", [SUCCEEDED, "failed"])
+def test_checkpoints_a_new_publication_of_a_finished_task_starts_without_one(
+        store: Store, outcome: str) -> None:
+    """A finished task published again (a fixed task id, say) is a new run: the earlier
+    run's checkpoint would make it skip work. A redelivery of the same publication that
+    is refused changes nothing."""
+    req = request(publication="p1")
+    g = grant(store, W1, req)
+    store.start(W1, req.task_id, g.epoch, g.token, TTL)
+    store.checkpoint(W1, [write(g, 1, {"next": 1000})])
+    assert complete(store, W1, g, outcome, None if outcome == SUCCEEDED else "boom") == "applied"
+    store.reserve(W2, [request(req.task_id, publication="p1")], TTL)  # a redelivery: refused
+    assert store.last_checkpoint(req.task_id) is not None
+    again = grant(store, W2, request(req.task_id, publication="p2"))
+    assert again.epoch > g.epoch and again.attempts == 1
+    assert store.last_checkpoint(req.task_id) is None
+
+
 def test_checkpoints_are_purged_with_their_claim(store: Store) -> None:
     g = running(store)
     store.checkpoint(W1, [write(g, 1, "x")])

@@ -102,6 +102,8 @@ def test_a_lease_without_a_checkpointer_says_why_checkpoints_are_refused() -> No
                                fencer=lambda *_: None, initial_deadline=1e18)  # type: ignore
     with pytest.raises(celery_pulse.PulseError, match="gateway worker cannot carry them"):
         lease.checkpoint({"next": 1})
+    with pytest.raises(celery_pulse.PulseError, match="gateway worker cannot carry them"):
+        _ = lease.last_checkpoint  # not None: an earlier attempt elsewhere may have one
 
 
 def test_outside_any_task_there_is_no_lease() -> None:

@@ -42,6 +42,7 @@ from celery_pulse.store.rules import (
     grantable,
     new_publication,
     queue_of,
+    restarts,
     rounds,
     split_by_permits,
 )
@@ -86,6 +87,9 @@ class MemoryClaims(MemoryCore, ClaimStore):
         expired = _expired(row, now)
         new_pub = new_publication(r.publication, row.publication)
         if grantable(row.state, row.policy, expired, row.attempts, row.max_attempts, new_pub):
+            if restarts(row.state, new_pub):
+                row.checkpoint = row.checkpoint_epoch = row.checkpoint_seq = None
+                row.checkpoint_at = None
             row.state, row.holder, row.token = state, holder, new_token()
             row.epoch += 1
             row.lease_until = now + ttl

@@ -24,6 +24,7 @@ from celery_pulse.store.base import (
     ReserveRequest,
 )
 from celery_pulse.store.rules import OUTCOME_STATE, queue_of
+from celery_pulse.store.sql.checkpoints import CHECKPOINT_COLUMNS
 from celery_pulse.store.sql.claim_rows import claimable_sql, dumps, task_id_of
 from celery_pulse.store.sql.dialect import Dialect
 
@@ -106,7 +107,11 @@ class BatchSql:
             f"content_type = excluded.content_type, "
             f"content_encoding = excluded.content_encoding, reserved_at = excluded.reserved_at, "
             f"publication = excluded.publication, queue = excluded.queue, "
-            f"started_at = excluded.started_at, finished_at = NULL, outcome = NULL, error = NULL "
+            f"started_at = excluded.started_at, finished_at = NULL, outcome = NULL, error = NULL, "
+            # A new run of a finished task: no earlier run's checkpoint (rules.restarts).
+            + ", ".join(f"{column} = CASE WHEN {new_pub} AND pulse_claims.state IN "
+                        f"({restartable}) THEN NULL ELSE pulse_claims.{column} END"
+                        for column in CHECKPOINT_COLUMNS) + " "
             # A live lease is never granted again, not even to its own holder: one holder
             # must never hold two live grants of one task.
             f"WHERE (({new_pub} OR pulse_claims.attempts < pulse_claims.max_attempts) AND ("

@@ -23,6 +23,8 @@ from celery_pulse.store.sql.tables import claims
 
 #: Rows per batch (the IN list of the read).
 CHUNK = 500
+#: A claim's checkpoint columns (emptied when a new publication restarts a finished task).
+CHECKPOINT_COLUMNS = ("checkpoint", "checkpoint_epoch", "checkpoint_seq", "checkpoint_at")
 
 c = claims.c
 

@@ -47,9 +47,11 @@ from celery_pulse.store.rules import (
     grantable,
     new_publication,
     queue_of,
+    restarts,
     split_starts,
 )
 from celery_pulse.store.rules import rounds as in_rounds
+from celery_pulse.store.sql.checkpoints import CHECKPOINT_COLUMNS
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
     CHUNK,
@@ -182,6 +184,7 @@ class MySqlClaims:
             .where(claims.c.task_id.in_([r.task_id for r in requests])).with_for_update())}
         fresh: list[ReserveRequest] = []
         regrants: list[tuple[ReserveRequest, int, int]] = []  # (request, epoch, attempts)
+        restarted: list[str] = []
         answers: dict[str, Grant | Refusal] = {}
         for req in requests:
             row = current.get(req.task_id)
@@ -191,6 +194,8 @@ class MySqlClaims:
             new_pub = new_publication(req.publication, row.publication)
             if grantable(row.state, row.policy, bool(row.expired), row.attempts,
                          row.max_attempts, new_pub):
+                if restarts(row.state, new_pub):
+                    restarted.append(req.task_id)
                 regrants.append((req, int(row.epoch) + 1,
                                  1 if new_pub else int(row.attempts) + 1))
                 continue
@@ -211,6 +216,9 @@ class MySqlClaims:
         if regrants:
             conn.exec_driver_sql(self._sql("reserve-again", len(regrants), self._regrant_sql),
                                  self._insert_params(holder, ttl, regrants))
+        if restarted:  # a new run of a finished task: no earlier run's checkpoint
+            conn.execute(sa.update(claims).where(claims.c.task_id.in_(restarted)).values(
+                dict.fromkeys(CHECKPOINT_COLUMNS)))
         granted = [r.task_id for r in fresh] + [r.task_id for r, _, _ in regrants]
         if granted:
             for task_id, epoch, token, lease_until, attempts, state in conn.execute(
