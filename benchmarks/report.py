@@ -700,6 +700,8 @@ def write_markdown(results: dict[str, Any], out_dir: Path) -> Path:
     _section(lines, results, "wakeup", "12. A limited task's wake-up without LISTEN "
              "(PgBouncer, issue 36)", wakeup.markdown)
     _section(lines, results, "rates", "13. Cluster-wide rate limits (issue 39)", _md_rates)
+    _section(lines, results, "checkpoints", "14. Checkpoints carried by the renewal (issue 40)",
+             _md_checkpoints)
     lines += ["", "## How the runner measures", "",
               "- Every broker queue, PostgreSQL schema, MariaDB database and SQLite file is fresh "
               "per run and migrated first; every process the runner starts lives in its own process group "
@@ -1400,6 +1402,12 @@ def _permits_meaning(pm: dict[str, Any]) -> str:
                          f"({r['held_left']} held, {r['waiting_left']} waiting, "
                          f"{r['live_left']} claims live)" for r in left) + "**.")
     return text
+
+
+def _md_checkpoints(data: dict[str, Any], lines: list[str]) -> None:
+    from benchmarks import checkpoints as section
+
+    section.markdown(data, lines)
 
 
 def _md_rates(rt: dict[str, Any], lines: list[str]) -> None:

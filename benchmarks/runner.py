@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from benchmarks import (
+    checkpoints,
     drivers,
     failover,
     gateway,
@@ -50,6 +51,7 @@ SECTIONS: dict[str, Callable[[infra.Scratch, bool], dict[str, Any]]] = {
     "memory": memory.run,
     "wakeup": wakeup.run,
     "rates": rates.run,
+    "checkpoints": checkpoints.run,
 }
 
 #: Sections run only when named in ``--only`` (the memory one takes 10-40 minutes).

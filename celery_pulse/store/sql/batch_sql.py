@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_pulse.store.base import (
+    LIVE_STATES,
     OPEN,
     RESERVED,
     RESTARTABLE_STATES,
@@ -23,10 +24,11 @@ from celery_pulse.store.base import (
     LeaseKey,
     ReserveRequest,
 )
+from celery_pulse.store.checkpoints import CheckpointWrite
 from celery_pulse.store.rules import OUTCOME_STATE, queue_of
-from celery_pulse.store.sql.checkpoints import CHECKPOINT_COLUMNS
 from celery_pulse.store.sql.claim_rows import claimable_sql, dumps, task_id_of
 from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.tables import CHECKPOINT_COLUMNS
 
 #: A reservation's values, in the order of its CTE's columns.
 RESERVE_COLUMNS = ("task_id", "task_name", "max_attempts", "policy", "retries", "body",
@@ -154,6 +156,26 @@ class BatchSql:
             f"lease_until = NULL, finished_at = CASE WHEN v.state = '{OPEN}' THEN NULL "
             f"ELSE {self.dialect.clock} END",
             f"pulse_claims.state IN ('{RESERVED}', '{RUNNING}')")
+
+    # -- checkpoints (issue 40) -------------------------------------------------------------
+    def checkpoint_statement(self, holder: str, writes: Sequence[CheckpointWrite]
+                             ) -> Statement:
+        """Every write of a batch in one statement, each fenced by its lease and kept only
+        if newer than the row's checkpoint (a later epoch, or a later write of this one)."""
+        params: list[Any] = []
+        for w in sorted(writes, key=task_id_of):  # one lock order
+            params += [w.task_id, w.epoch, w.token, w.seq, w.value]
+        params.append(holder)
+        now = self.dialect.clock
+        live = ", ".join(f"'{state}'" for state in LIVE_STATES)
+        return self.batch_update(
+            "checkpoint", len(writes), ("task_id", "epoch", "token", "seq", "value"),
+            f"checkpoint = v.value, checkpoint_epoch = v.epoch, checkpoint_seq = v.seq, "
+            f"checkpoint_at = {now}",
+            f"pulse_claims.holder = {{mark}} AND pulse_claims.state IN ({live}) "
+            f"AND pulse_claims.lease_until > {now} AND (pulse_claims.checkpoint_epoch IS NULL "
+            f"OR pulse_claims.checkpoint_epoch < v.epoch OR (pulse_claims.checkpoint_epoch = "
+            f"v.epoch AND pulse_claims.checkpoint_seq < v.seq))"), tuple(params)
 
     def batch_update(self, kind: str, rows: int, columns: tuple[str, ...], assign: str,
                      where: str, returning: str = "") -> str:

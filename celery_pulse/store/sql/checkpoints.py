@@ -2,13 +2,16 @@
 
 One transaction per batch, whatever its size: a read of the rows whose lease still
 holds, skipping rows a fenced transaction holds locked (where the database has row
-locks: a renewal never waits, and neither does the renewal's checkpoint), then one
-UPDATE sent for every write (executemany: psycopg pipelines it), each still fenced by
-its own ``WHERE`` and kept only if newer than the row's.
+locks: a renewal never waits, and neither does the renewal's checkpoint), then the
+writes, each still fenced by its own ``WHERE`` and kept only if newer than the row's:
+on PostgreSQL and SQLite one multi-row statement for the batch
+(:meth:`.batch_sql.BatchSql.checkpoint_statement`), on MySQL/MariaDB, which has no
+``UPDATE .. FROM``, one statement per write in the transaction.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +19,7 @@ import sqlalchemy as sa
 
 from celery_pulse.store.checkpoints import Checkpoint, CheckpointWrite, newest
 from celery_pulse.store.records import LIVE_STATES
+from celery_pulse.store.sql.batch_sql import BatchSql
 from celery_pulse.store.sql.claim_rows import lease_key_in
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.dialect import Dialect
@@ -23,8 +27,6 @@ from celery_pulse.store.sql.tables import claims
 
 #: Rows per batch (the IN list of the read).
 CHUNK = 500
-#: A claim's checkpoint columns (emptied when a new publication restarts a finished task).
-CHECKPOINT_COLUMNS = ("checkpoint", "checkpoint_epoch", "checkpoint_seq", "checkpoint_at")
 
 c = claims.c
 
@@ -56,6 +58,11 @@ class SqlCheckpoints:
 
     conns: Connections
     dialect: Dialect
+
+    @functools.cached_property
+    def _batch(self) -> BatchSql | None:
+        """The multi-row statements, where the database has ``UPDATE .. FROM``."""
+        return BatchSql(self.dialect) if self.dialect.returning else None
 
     def checkpoint(self, holder: str, writes: Sequence[CheckpointWrite]
                    ) -> tuple[set[str], set[str]]:
@@ -89,7 +96,9 @@ class SqlCheckpoints:
         missing = [w for w in chunk if w.task_id not in got]
         busy = set(conn.execute(live(missing)).scalars()) if missing and skips else set()
         todo = [w for w in chunk if w.task_id in got]
-        if todo:
+        if todo and self._batch is not None:
+            conn.exec_driver_sql(*self._batch.checkpoint_statement(holder, todo))
+        elif todo:
             conn.execute(write_statement(holder, now), [params(w) for w in todo])
         return got, busy
 

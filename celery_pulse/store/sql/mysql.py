@@ -51,7 +51,6 @@ from celery_pulse.store.rules import (
     split_starts,
 )
 from celery_pulse.store.rules import rounds as in_rounds
-from celery_pulse.store.sql.checkpoints import CHECKPOINT_COLUMNS
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
     CHUNK,
@@ -65,7 +64,7 @@ from celery_pulse.store.sql.claim_rows import claimable as is_claimable
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.results import ResultRows
-from celery_pulse.store.sql.tables import claims
+from celery_pulse.store.sql.tables import CHECKPOINT_COLUMNS, claims
 
 if TYPE_CHECKING:
     from celery_pulse.store.sql.pipeline import Pipeline

@@ -13,6 +13,10 @@ from celery_pulse.store.sql.types import BLOB, SECONDS, TABLE_OPTIONS, TEXT
 
 metadata = sa.MetaData()
 
+#: A claim's checkpoint columns (revision 0017), emptied when a new publication restarts
+#: a finished task.
+CHECKPOINT_COLUMNS = ("checkpoint", "checkpoint_epoch", "checkpoint_seq", "checkpoint_at")
+
 #: The claims' indexes for the operators' filters, by name: each ends in ``(created_at,
 #: task_id)``, the pages' order, so a filtered page is a range scan of one index.
 VIEW_INDEXES: dict[str, tuple[str, ...]] = {
