@@ -41,11 +41,12 @@ class SlotCheckpointer:
 
     def write(self, lease: Lease, seq: int, text: str, wait: bool) -> None:
         self._latest = (seq, text)
-        if self._slots is not None and self._slot is not None:
+        if wait or self._slots is None or self._slot is None:
+            # Not left for the renewal too: it would only send it again, for nothing (an
+            # older value still in the slot is not newer than this one: never kept).
+            self._commit(lease, seq, text)
+        else:
             self._slots.put(self._slot, lease.task_id, lease.epoch, seq, text)
-            if not wait:
-                return
-        self._commit(lease, seq, text)
 
     def last(self, lease: Lease) -> Checkpoint | None:
         found: Checkpoint | None = self._store().last_checkpoint(lease.task_id)
@@ -85,6 +86,6 @@ def flush(lease: Lease) -> None:
         return
     try:
         checkpointer.flush(lease)
-    except PulseError as exc:  # a lost lease, a store away: the worker's loss handling says so
+    except Exception as exc:  # a lost lease, a store away: the task's outcome stands
         logger.warning("pulse: the last checkpoint of task %s (epoch %d) was not committed: "
                        "%s", lease.task_id, lease.epoch, exc)

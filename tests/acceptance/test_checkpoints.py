@@ -170,6 +170,27 @@ def test_checkpoints_a_killed_walk_resumes_at_its_last_committed_checkpoint(
           f"walks (at most {EVERY} each with wait=True)")
 
 
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_checkpoints_a_retry_resumes_from_the_checkpoint_of_the_attempt_before(
+        store_url: str, rabbitmq_url: str, cenv: Callable[..., Env],
+        workers: Callable[..., Worker], producer: Callable[[str], Celery],
+        tmp_path: Path) -> None:
+    """On the embedded default store: a body that checkpoints (left for the renewal) and
+    then calls ``self.retry()`` ends before any renewal could carry it; the value is
+    committed as the body ends, and the retry begins from it."""
+    env = cenv(store_url, rabbitmq_url)
+    path = tmp_path / "journal.txt"
+    a = workers(env, "a@%h", concurrency=1).wait_ready()
+    result = producer(rabbitmq_url).send_task("checkpointapp.retrying", queue=env.queue,
+                                              args=[str(path), 321])
+    wait_alive(lambda: of(read(path), result.id, "end"), 60, "the retry to end", (a,))
+    first, second = of(read(path), result.id, "begin")
+    assert (first.value, second.value) == (0, 321)
+    assert second.epoch > first.epoch
+    (end,) = of(read(path), result.id, "end")
+    assert end.epoch == second.epoch
+
+
 @pytest.mark.postgres
 def test_checkpoints_a_paused_holder_resumed_after_takeover_gets_lease_lost(
         pg_url: str, redis_url: str, cenv: Callable[..., Env],

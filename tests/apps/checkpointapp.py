@@ -68,3 +68,19 @@ def walk(self: Any, path: str, total: int = 1000, every: int = 50, pause: float 
         raise
     journal(path, "end", task_id, epoch, total)
     return total
+
+
+@app.task(name="checkpointapp.retrying", bind=True, acks_late=True, max_retries=1)
+def retrying(self: Any, path: str, cursor: int) -> int:
+    """Checkpoints ``cursor``, then retries once (``self.retry``, no countdown): the retry
+    is a later attempt of the task, and resumes from the checkpoint."""
+    lease = current_lease()
+    assert lease is not None
+    last = lease.last_checkpoint
+    journal(path, "begin", self.request.id, lease.epoch,
+            last.value["next"] if last is not None else 0, last.epoch if last is not None else 0)
+    if last is None:
+        lease.checkpoint({"next": cursor, "epoch": lease.epoch})  # carried as the body ends
+        raise self.retry(countdown=0)
+    journal(path, "end", self.request.id, lease.epoch, last.value["next"])
+    return int(last.value["next"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_pulse.store.base import RUNNING, SUCCEEDED, Store
+from celery_pulse.store.base import NEEDS_REVIEW, RUNNING, SUCCEEDED, Completion, Store
 from celery_pulse.store.checkpoints import (
     MAX_CHECKPOINT_BYTES,
     CheckpointTooLarge,
@@ -120,6 +120,27 @@ def test_checkpoints_a_new_publication_of_a_finished_task_starts_without_one(
     again = grant(store, W2, request(req.task_id, publication="p2"))
     assert again.epoch > g.epoch and again.attempts == 1
     assert store.last_checkpoint(req.task_id) is None
+
+
+def test_checkpoints_a_review_retry_resumes_from_the_lost_attempts_checkpoint(
+        store: Store) -> None:
+    """A task whose outcome nobody knew, retried by an operator: its next attempt reads
+    how far the lost one got (the review shows it too)."""
+    g = running(store)
+    store.checkpoint(W1, [write(g, 3, {"next": 700})])
+    assert store.complete(W1, [Completion(g.task_id, g.epoch, g.token, NEEDS_REVIEW,
+                                          "can't tell")]) == {g.task_id: "applied"}
+    (item,) = [i for i in store.list_review() if i.task_id == g.task_id]
+    assert item.checkpoint_size == len(encode_checkpoint({"next": 700}))
+    detail = store.claim_detail(g.task_id)
+    assert detail is not None and detail.checkpoint is not None
+    assert detail.checkpoint.value == {"next": 700}
+    again = store.review_retry(g.task_id, "review:ops", TTL, "ops@host", None)
+    assert store.mark_published([(g.task_id, again.epoch, again.token or "")]) == 1
+    later = grant(store, W2, request(g.task_id))
+    assert later.epoch > g.epoch
+    seen = store.last_checkpoint(g.task_id)
+    assert seen is not None and (seen.value, seen.epoch) == ({"next": 700}, g.epoch)
 
 
 def test_checkpoints_are_purged_with_their_claim(store: Store) -> None:
