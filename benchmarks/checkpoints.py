@@ -30,6 +30,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from benchmarks import infra
+from benchmarks.scale import Quiet
 from benchmarks.sqlcost import PgStats
 
 LEASES = 50
@@ -39,20 +40,6 @@ VARIANTS = {"none": (0, False), "default-100B": (100, False), "default-4KiB": (4
             "wait-100B": (100, True)}
 LABELS = {"none": "none", "default-100B": "default, 100 B", "default-4KiB": "default, 4 KiB",
           "wait-100B": "wait=True, 100 B"}
-
-
-class _Quiet:
-    def __init__(self) -> None:
-        self.lost = 0
-
-    def on_lost(self, claim: Any) -> None:
-        self.lost += 1
-
-    def on_hard_stop(self, claim: Any) -> None:
-        pass
-
-    def on_renewed(self, claims: Any) -> None:
-        pass
 
 
 def _seed(url: str, holder: str) -> None:
@@ -91,7 +78,7 @@ def measure(server: infra.PrivatePostgres, stats: PgStats, variant: str,
     child_store.now()
     table = DeadlineTable(size=256)
     keeper = LeaseKeeper(store, holder, ttl=TTL, interval=INTERVAL, margin=0.3, grace=5.0,
-                         listener=_Quiet(), checkpoints=table.checkpoints)
+                         listener=Quiet(), checkpoints=table.checkpoints)
     sent = time.monotonic()
     for i in range(LEASES):
         claim = keeper.add(Grant(f"{holder}-{i}", 1, f"tok-{holder}-{i}", 0.0, 1), sent, 0,
@@ -183,7 +170,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
-    duration = 5.0 if quick else 20.0
+    duration = 3.0 if quick else 20.0
     server = infra.PrivatePostgres({"shared_preload_libraries": "pg_stat_statements",
                                     "pg_stat_statements.track_utility": "on"}).init()
     points = []

@@ -26,7 +26,7 @@ TTL = 3.0
 INTERVAL = 1.0
 
 
-class _Quiet:
+class Quiet:
     """LeaseListener that only counts."""
 
     def __init__(self) -> None:
@@ -57,7 +57,7 @@ def _simulate(url: str, holders: list[str], offsets: list[float], start_at: floa
         store = store_on(make_engine(url))
         stores.append(store)
         store.now()  # open the connection now, not inside the first timed renewal
-        listener = _Quiet()
+        listener = Quiet()
         keeper = LeaseKeeper(store, holder, ttl=TTL, interval=INTERVAL, margin=0.3, grace=5.0,
                              listener=listener)
         sent = time.monotonic()
