@@ -234,11 +234,15 @@ def test_checkpoints_a_paused_holder_resumed_after_takeover_gets_lease_lost(
     with opened(pg_url) as store:
         seen = [store.last_checkpoint(task_id)]
 
-        def ended() -> list[Line]:
+        def ended() -> bool:
+            # The store records the outcome after the body's uncarried checkpoint is
+            # committed; the body's own "end" line comes before both.
             seen.append(store.last_checkpoint(task_id))
-            return of(read(path), task_id, "end", rerun.epoch)
-        wait_alive(ended, 60, "the re-run to end", (other,))
+            detail = store.claim_detail(task_id)
+            return detail is not None and detail.claim.finished_at is not None
+        wait_alive(ended, 60, "the re-run's outcome in the store", (other,))
         cp = store.last_checkpoint(task_id)
+        assert of(read(path), task_id, "end", rerun.epoch)
     # From the resume on, every checkpoint read is the new attempt's, or the one it began
     # from (its own first ones are carried by a renewal): never one the paused attempt
     # wrote after it.
