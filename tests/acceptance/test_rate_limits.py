@@ -4,8 +4,11 @@ worker, on every store.
 The rule is decided in the start's transaction by the store's clock: in any window of the
 declared length, no more than N starts are granted for the key. The tests read it two
 ways: the claims' start times as the store recorded them (exactly the rule), and the
-bodies' own clocks (a body begins a few milliseconds after its start is granted, so that
-check allows 50 ms of jitter off the window).
+bodies' own clocks. A body begins after its start's transaction commits and its job
+reaches a pool process: a few milliseconds, so that check allows 50 ms of jitter off the
+window. On a loaded machine a commit or a hand-off can take longer (CI measured a body
+begun late enough to share a window with the next second's on-time ones); such a late
+body is printed, left out of the window count, and never earlier than its grant.
 
 Real processes: 3 ``celery worker -P pulse -c 4`` on RabbitMQ, PostgreSQL / SQLite /
 MariaDB.
@@ -54,6 +57,30 @@ def most_in_a_window(times: Iterable[float], window: float) -> int:
     return max(sum(1 for s in ordered if t - window < s <= t) for t in ordered)
 
 
+def on_time(bodies: Iterable[tuple[str, int, float]], granted: dict[tuple[str, int], float]
+            ) -> list[float]:
+    """The bodies' start times (``(task_id, epoch, at)``) that began within ``JITTER`` of
+    their grant (a body whose grant is not on record counts too). None began before it."""
+    kept, late = [], []
+    for task_id, epoch, at in bodies:
+        grant = granted.get((task_id, epoch))
+        assert grant is None or at >= grant - 0.001, (task_id, epoch, at, grant)
+        (late if grant is not None and at - grant > JITTER else kept).append(at)
+    if late:
+        print(f"\n{len(late)} of {len(kept) + len(late)} bodies began more than "
+              f"{JITTER * 1000:.0f} ms after their grant")
+    return kept
+
+
+def grants_of(store: SqlStore, ids: list[str]) -> dict[tuple[str, int], float]:
+    """Each claim's last start, as the store recorded it, by ``(task_id, epoch)``."""
+    with store.engine.connect() as conn:
+        return {(task_id, int(epoch)): float(t) for task_id, epoch, t in conn.execute(
+            sa.text("SELECT task_id, epoch, started_at FROM pulse_claims "
+                    "WHERE task_id IN :ids").bindparams(sa.bindparam("ids", expanding=True)),
+            {"ids": ids})}
+
+
 def store_starts(store: SqlStore, ids: list[str]) -> list[float]:
     """The start time the store recorded for each claim (its clock)."""
     with store.engine.connect() as conn:
@@ -89,7 +116,9 @@ def test_a_rate_limit_holds_across_three_workers_on_every_store(
     assert sorted(r.task_id for r in done) == sorted(ids)  # each exactly once
     recorded = store_starts(store, ids)
     assert most_in_a_window(recorded, WINDOW) <= LIMIT
-    bodies = [r.start.at for r in done]
+    bodies = on_time(((r.task_id, r.start.epoch, r.start.at) for r in done),
+                     grants_of(store, ids))
+    assert len(bodies) > n // 2
     assert most_in_a_window(bodies, WINDOW - JITTER) <= LIMIT
     span = max(recorded) - min(recorded)
     print(f"\n[{any_store.split(':')[0]}] {n} starts at {LIMIT}/s over {span:.2f} s "
@@ -139,9 +168,11 @@ def test_workers_replaced_mid_run_never_go_above_the_rate(
     # the next start); all claims' final starts are, by the store's record:
     assert most_in_a_window(store_starts(store, ids), WINDOW) <= LIMIT
     assert most_in_a_window(granted, WINDOW) <= LIMIT
-    bodies = [r.start.at for r in runs(journal, RATED)]
+    done = runs(journal, RATED)
+    bodies = on_time(((r.task_id, r.start.epoch, r.start.at) for r in done),
+                     grants_of(store, ids))
     assert most_in_a_window(bodies, WINDOW - JITTER) <= LIMIT
-    assert time.time() - max(bodies) < 60
+    assert time.time() - max(r.start.at for r in done) < 60
 
 
 def test_a_keyed_rate_gives_each_key_its_own_rate(
@@ -155,12 +186,16 @@ def test_a_keyed_rate_gives_each_key_its_own_rate(
     ws = tuple(cluster.worker(env, f"p{i}@%h", concurrency=4) for i in range(2))
     cluster.ready(*ws)
     with producer(env) as client:
-        for i in range(80):
-            client.send_task(PER_CUSTOMER, (str(journal), 0.01), {"customer": i % 2})
+        ids = [client.send_task(PER_CUSTOMER, (str(journal), 0.01), {"customer": i % 2}).id
+               for i in range(80)]
     wait_alive(lambda: ended(journal, PER_CUSTOMER) == 80, 60, "all 80 tasks to end", ws)
     done = runs(journal, PER_CUSTOMER)
+    granted = grants_of(store_of(pg_url), ids)
     for customer in ("0", "1"):
-        mine = [r.start.at for r in done if r.start.key == customer]
+        mine = [r for r in done if r.start.key == customer]
         assert len(mine) == 40
-        assert most_in_a_window(mine, WINDOW - JITTER) <= 10
+        assert most_in_a_window([granted[r.task_id, r.start.epoch] for r in mine],
+                                WINDOW) <= 10
+        bodies = on_time(((r.task_id, r.start.epoch, r.start.at) for r in mine), granted)
+        assert most_in_a_window(bodies, WINDOW - JITTER) <= 10
     assert most_in_a_window([r.start.at for r in done], WINDOW - JITTER) > 10
