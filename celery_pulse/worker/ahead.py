@@ -8,10 +8,11 @@ process a round trip to the store on every task. Instead:
   start folded into the reservation);
 * the next requests in line are started ahead, in the hot path's batches: when a
   process frees, its next job is already ``running``. A task under a concurrency limit
-  goes with its permits (taken then; never one under a rate: :meth:`StartAhead._rated`),
-  unless tasks of this worker wait for one of its keys (it would jump their line) or a
-  start ahead of its keys found none free: it then asks when its process is free, as
-  without starts ahead. Per key, one such start is in flight at first, twice as many
+  or a rate goes with its permits (taken then), unless tasks of this worker wait for one
+  of its keys (it would jump their line) or a start ahead of its keys found none free:
+  it then asks when its process is free, as without starts ahead. (Under a rate, such
+  a job's body follows its grant by its wait for a process, at most about
+  :data:`WINDOW`; under a rate that binds, starts are asked with a free process.) Per key, one such start is in flight at first, twice as many
   after each one that got its permits, one again after one that found none: a limit
   that binds costs one refused start, not a batch of them.
 
@@ -122,8 +123,7 @@ class StartAhead:
             if (claim.state != RESERVED or claim.applied or claim.starting
                     or self.keeper.get(claim.task_id) is not claim):
                 continue  # gone to the pool, started, ended or lost meanwhile
-            if claim.permits and (self._rated(claim) or self.waited_for(claim)
-                                  or self._blocked(claim) or any(
+            if claim.permits and (self.waited_for(claim) or self._blocked(claim) or any(
                     self.flying[p.key] >= self.allowed.get(p.key, 1) for p in claim.permits)):
                 continue  # it asks with its process (behind those waiting)
             for permit in claim.permits or ():
@@ -134,12 +134,6 @@ class StartAhead:
             self.keeper.submit_start(claim, self._answer_to(claim), urgent=False)
         if len(self.queued) > 4 * self.concurrency and not self.short:
             self.queued.clear()  # jobs got long: they start when their process is free
-
-    @staticmethod
-    def _rated(claim: LocalClaim) -> bool:
-        """A rate counts starts: its body must follow its start at once, not wait for a
-        process (bodies started late would bunch into a later window)."""
-        return any(p.window is not None for p in claim.permits or ())
 
     def _blocked(self, claim: LocalClaim) -> bool:
         """Whether a start ahead of one of ``claim``'s keys found no permit, and the

@@ -118,7 +118,7 @@ def test_a_rate_limit_holds_across_three_workers_on_every_store(
     assert most_in_a_window(recorded, WINDOW) <= LIMIT
     bodies = on_time(((r.task_id, r.start.epoch, r.start.at) for r in done),
                      grants_of(store, ids))
-    assert len(bodies) > n // 2
+    assert len(bodies) >= n * 4 // 5  # the late ones are the exception
     assert most_in_a_window(bodies, WINDOW - JITTER) <= LIMIT
     span = max(recorded) - min(recorded)
     print(f"\n[{any_store.split(':')[0]}] {n} starts at {LIMIT}/s over {span:.2f} s "

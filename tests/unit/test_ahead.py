@@ -178,11 +178,18 @@ def test_one_limited_start_ahead_per_key_at_first_twice_as_many_after_each_grant
     assert len(keeper.starts) == 3
 
 
-def test_a_task_under_a_rate_never_starts_ahead() -> None:
-    """A rate counts starts: a body waiting for a process after its start could bunch
-    into a later window with the bodies started on time there."""
+def test_a_task_under_a_rate_starts_ahead_as_a_limited_one_does() -> None:
+    """A rate's start goes ahead of the pool while its key's starts are granted (one in
+    flight at first); once one is told to wait for the window, the key's next tasks ask
+    with their process, so a binding rate is never met by starts that wait for one."""
     ahead, keeper, _ = make(concurrency=2, runtime=WINDOW / 4)
-    rated = keeper.claim("rated")
-    rated.permits = (Permit("rate:task:t", 20, 1.0),)
-    ahead.settled(rated, False, True)
-    assert keeper.starts == [] and not rated.starting
+    rated = [keeper.claim(f"rated{i}") for i in range(3)]
+    for claim in rated:
+        claim.permits = (Permit("rate:task:t", 20, 1.0),)
+    ahead.settled(rated[0], False, True)
+    ahead.settled(rated[1], False, True)
+    assert [c for c, _cb, _u in keeper.starts] == rated[:1] and rated[0].starting
+    keeper.starts[0][1](WAITING)  # the window is full
+    ahead.settled(rated[2], False, True)
+    assert [c for c, _cb, _u in keeper.starts] == rated[:1]
+    assert not rated[1].starting and not rated[2].starting
