@@ -10,11 +10,12 @@ process a round trip to the store on every task. Instead:
   process frees, its next job is already ``running``. A task under a concurrency limit
   or a rate goes with its permits (taken then), unless tasks of this worker wait for one
   of its keys (it would jump their line) or a start ahead of its keys found none free:
-  it then asks when its process is free, as without starts ahead. (Under a rate, such
-  a job's body follows its grant by its wait for a process, at most about
-  :data:`WINDOW`; under a rate that binds, starts are asked with a free process.) Per key, one such start is in flight at first, twice as many
-  after each one that got its permits, one again after one that found none: a limit
-  that binds costs one refused start, not a batch of them.
+  it then asks when its process is free, as without starts ahead. Per key, one such
+  start is in flight at first, twice as many after each one that got its permits, one
+  again after one that found none: a limit that binds costs one refused start, not a
+  batch of them. (Under a rate, a job started ahead begins its body about
+  :data:`WINDOW` at most after its grant; under a rate that binds, starts are asked
+  with a free process, and a body follows its grant at once.)
 
 Only while this worker's jobs are short, and only as many as its processes get through
 in :data:`WINDOW`: a job started ahead waits for a process, and a worker killed
