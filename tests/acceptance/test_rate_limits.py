@@ -5,10 +5,11 @@ The rule is decided in the start's transaction by the store's clock: in any wind
 declared length, no more than N starts are granted for the key. The tests read it two
 ways: the claims' start times as the store recorded them (exactly the rule), and the
 bodies' own clocks. A body begins after its start's transaction commits and its job
-reaches a pool process: a few milliseconds, so that check allows 50 ms of jitter off the
-window. On a loaded machine a commit or a hand-off can take longer (CI measured a body
-begun late enough to share a window with the next second's on-time ones); such a late
-body is printed, left out of the window count, and never earlier than its grant.
+reaches a pool process (a start made ahead of the pool also waits for a process, about
+20 ms at most): so that check allows 50 ms of jitter off the window. On a loaded machine
+a commit or a hand-off can take longer (a CI run had a body begun late enough to share a
+window with the next second's on-time ones); such a late body is printed, left out of
+the window count (at most a fifth of them), and never earlier than its grant.
 
 Real processes: 3 ``celery worker -P pulse -c 4`` on RabbitMQ, PostgreSQL / SQLite /
 MariaDB.
