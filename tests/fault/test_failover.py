@@ -141,6 +141,16 @@ def _read(store_url: str, history: str) -> tuple[list[ClaimState], list[Event],
     return claims, events, effects, slots, holds, finished, started
 
 
+def _print_failed(store_url: str) -> None:
+    """The failed claims' task names and errors (a failover must fail none of them)."""
+    store = sa.create_engine(store_url, poolclass=sa.pool.NullPool)
+    with store.connect() as conn:
+        for row in conn.execute(sa.text("select task_id, task_name, epoch, error "
+                                        "from pulse_claims where state = 'failed'")):
+            print(f"  FAILED {row.task_id} {row.task_name} epoch {row.epoch}: {row.error}")
+    store.dispose()
+
+
 def stale_effects(effects: list[tuple[str, int, float]], events: list[Event]) -> list[str]:
     """Fenced effects committed by an epoch after a newer epoch of the task had started
     (its body's ``start``, recorded after the store granted it): a stale holder's write.
@@ -252,6 +262,7 @@ def test_primary_lost_and_standby_promoted_under_load(
           f"{sum(c.task_id in bodies for c in in_review)}/{len(in_review)} {report.summary()}")
     for violation in report.violations[:20]:
         print(f"  VIOLATION {violation}")
+    _print_failed(replicated_pg.url)
     assert not report.violations, report.violations[:5]
     assert report.succeeded + report.needs_review == tasks
     assert to_first is not None and to_first > PROMOTE_AFTER
