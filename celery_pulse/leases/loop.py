@@ -14,8 +14,9 @@ and 0.7. Where the store can send an exchange without waiting for its answer
 * the connection's socket is registered with the loop, and the answer is read when it
   arrives: the callbacks run on the loop, and what queued up meanwhile goes out at once;
 * what it cannot do without blocking goes to the committer thread, in order: a batch
-  the store only takes blocking (concurrency permits, a chord's counter), the
-  follow-up reads of a stale completion or a refused reservation;
+  the store only takes blocking (a chord's counter; starts under permits on a store
+  without a pipeline), the follow-up reads of a stale completion or a refused
+  reservation;
 * a store failure answers reservations and starts with the error; completions are kept
   and sent again with backoff, as on the thread.
 
@@ -246,6 +247,10 @@ class LoopCommitter:
         try:
             done = exchange.flight.step()
             if not done:
+                if exchange.flight.writing and self._write_timer is None:
+                    # (a transaction's second round trip went out, bigger than the
+                    # socket took at once: rare)
+                    self._write_timer = self.reactor.call_later(WRITE_RETRY, self._send_more)
                 return
             self._stop_io()
             answers = exchange.finish(blocking=False)

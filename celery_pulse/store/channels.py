@@ -26,11 +26,18 @@ class PermitSignals(Protocol):
 class InFlightIO(Protocol):
     """The socket side of an exchange in flight (see :class:`PendingExchange`)."""
 
-    #: The connection's socket: step when it is readable.
-    fileno: int
-    #: Some of the request is not sent yet: :meth:`send_more` soon, readable or not.
-    writing: bool
-    done: bool
+    @property
+    def fileno(self) -> int:
+        """The connection's socket: step when it is readable."""
+        ...
+
+    @property
+    def writing(self) -> bool:
+        """Some of the request is not sent yet: :meth:`send_more` soon, readable or not."""
+        ...
+
+    @property
+    def done(self) -> bool: ...
 
     def step(self) -> bool:
         """Send what is left and read what came, never blocking; True once all is in."""

@@ -4,8 +4,9 @@ store and a real kombu hub (the loop a Celery worker runs), without a worker pro
 What is checked: the ops submitted on the loop's thread are exchanged and answered
 there (not on the committer thread), what queues up while an exchange is in flight goes
 out together in the next one, the loop stopping mid-exchange loses nothing (the rest goes
-to the committer thread), a store outage fails reservations and retries completions, and
-what the loop cannot do without blocking is done by the committer thread.
+to the committer thread), a store outage fails reservations and retries completions,
+starts under permits go from the loop too, and what the loop cannot do without blocking
+is done by the committer thread.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ import sqlalchemy as sa
 from kombu.asynchronous import Hub
 
 from celery_pulse.errors import StoreUnavailable
-from celery_pulse.leases import LeaseKeeper, LocalClaim
-from celery_pulse.store.base import SUCCEEDED, Grant, Message, Refusal, ReserveRequest
+from celery_pulse.leases import WAITING, LeaseKeeper, LocalClaim
+from celery_pulse.store.base import (
+    SUCCEEDED,
+    Grant,
+    Message,
+    Permit,
+    Refusal,
+    ReserveRequest,
+)
 from celery_pulse.store.sql import SqlStore, open_store
 
 pytestmark = pytest.mark.postgres
@@ -262,3 +270,31 @@ def test_a_batch_the_store_only_takes_blocking_goes_through_the_thread(
     keeper.submit_reserve(request("then"), answers.to("then"), urgent=True)
     run_loop(hub, lambda: "then" in answers.got)
     assert answers.threads["then"] == threading.current_thread().name
+
+
+def test_starts_under_a_permit_go_from_the_loop_with_the_rest_of_the_exchange(
+        store: SqlStore, hub: Hub, keeper: LeaseKeeper) -> None:
+    """A start under a concurrency permit is one transaction of two round trips, sent
+    and answered on the loop like any other exchange: the permit is taken, a second start
+    waits for it, and a completion in the same exchange gives it back to that start."""
+    answers = Answers()
+    for name in ("a", "b"):
+        keeper.submit_reserve(request(name), answers.to(name), urgent=True)
+    run_loop(hub, lambda: len(answers.got) == 2)
+    a, b = (keeper.add(answers.got[n], time.monotonic(), 0, False) for n in ("a", "b"))
+    for claim in (a, b):
+        claim.permits = (Permit("k", 1),)
+    keeper.submit_start(a, answers.to("start-a"), urgent=True)
+    run_loop(hub, lambda: "start-a" in answers.got)
+    keeper.submit_start(b, answers.to("start-b"), urgent=True)
+    run_loop(hub, lambda: "start-b" in answers.got)
+    assert (answers.got["start-a"], answers.got["start-b"]) == (True, WAITING)
+    exchanges = keeper.counters.exchanges
+    keeper.submit_complete(a, SUCCEEDED, None, answers.to("done-a"))
+    keeper.submit_start(b, answers.to("again-b"), urgent=True)
+    run_loop(hub, lambda: "again-b" in answers.got)
+    assert (answers.got["done-a"], answers.got["again-b"]) == ("applied", True)
+    assert keeper.counters.exchanges == exchanges + 1  # one exchange: both went together
+    assert set(answers.threads.values()) == {threading.current_thread().name}
+    (usage,) = store.permit_usage()
+    assert (usage.key, usage.running) == ("k", 1)

@@ -3,13 +3,17 @@
 It drives libpq's pipeline itself: what each statement returns, that a failing one
 undoes the whole exchange (one implicit transaction), that its prepared statements
 stay bounded, and that a connection the server dropped is the store being unavailable
-and the next exchange reconnects.
+and the next exchange reconnects. And the transaction of two round trips built on it
+(:class:`TwoTrips`: starts under permits): one transaction, undone by a failure in
+either trip or between them, and driven without blocking as the event loop does.
 """
 
 from __future__ import annotations
 
+import select
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -18,6 +22,7 @@ import sqlalchemy as sa
 from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.sql import libpq_io
 from celery_pulse.store.sql.pipeline import PREPARED_MAX, Pipeline
+from celery_pulse.store.sql.pipeline_tx import TwoTrips
 
 pytestmark = pytest.mark.postgres
 
@@ -108,3 +113,72 @@ def test_a_dropped_connection_is_the_store_unavailable_and_the_next_exchange_rec
     assert pipeline.run("test", [(backend, ())])[0][0][0] != pid
     assert pipeline.run("test", [(ROW, ("a", 1, 0.0, None, None, None))]) == [
         [("a", 1, 0.0, None, None, None)]]
+
+
+# -- a transaction of two round trips (TwoTrips) ----------------------------------------
+def one(n: int, row: str) -> tuple[str, tuple[object, ...]]:
+    return (ROW, (row, n, 0.0, None, None, None))
+
+
+def test_two_trips_are_one_transaction_the_first_trip_s_rows_deciding_the_second(
+        engine: sa.Engine, pipeline: Pipeline) -> None:
+    """The first trip's statements stay uncommitted (invisible elsewhere) until the
+    second trip's COMMIT; ``then`` sees the first trip's rows, not the opening's."""
+    seen: list[object] = []
+
+    def then(rows: list[list[tuple[Any, ...]]]) -> list[tuple[str, tuple[object, ...]]]:
+        seen.append(rows)
+        seen.append(ids(engine))  # another connection, between the trips
+        ((count,),) = rows[1]
+        return [one(count, "b")]
+
+    trips = TwoTrips.begin(pipeline, "test", [one(1, "a"), ("SELECT count(*) FROM t", ())],
+                           then)
+    trips.wait(10)
+    assert seen == [[[("a", 1, 0.0, None, None, None)], [(1,)]], []]
+    assert trips.rows() == [[("a", 1, 0.0, None, None, None)], [(1,)],
+                            [("b", 1, 0.0, None, None, None)]]
+    assert ids(engine) == ["a", "b"]
+    assert pipeline.run("test", [("SELECT count(*) FROM t", ())]) == [[(2,)]]
+
+
+def test_a_failing_second_trip_undoes_the_first(engine: sa.Engine,
+                                                 pipeline: Pipeline) -> None:
+    trips = TwoTrips.begin(pipeline, "test", [one(1, "a")], lambda _rows: [one(2, "a")])
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        trips.wait(10)
+        trips.rows()
+    assert ids(engine) == []
+    assert pipeline.run("test", [one(3, "c")]) == [[("c", 3, 0.0, None, None, None)]]
+    assert ids(engine) == ["c"]
+
+
+def test_a_decision_that_raises_leaves_nothing_committed_and_the_pipeline_usable(
+        engine: sa.Engine, pipeline: Pipeline) -> None:
+    def then(_rows: object) -> list[tuple[str, tuple[object, ...]]]:
+        raise RuntimeError("a bug between the trips")
+
+    trips = TwoTrips.begin(pipeline, "test", [one(1, "a")], then)
+    with pytest.raises(RuntimeError):
+        trips.wait(10)
+    assert ids(engine) == []  # the connection was closed: the server rolled back
+    assert pipeline.run("test", [one(2, "b")]) == [[("b", 2, 0.0, None, None, None)]]
+
+
+def test_two_trips_are_driven_without_blocking_as_the_event_loop_does(
+        engine: sa.Engine, pipeline: Pipeline) -> None:
+    """``begin_now`` and ``step`` on the socket's readiness: the second trip goes out
+    from ``step`` when the first's answer is in."""
+    assert TwoTrips.begin_now(pipeline, "test", [one(1, "a")], lambda _r: []) is None
+    pipeline.run("test", [("SELECT 1", ())])  # connected: nothing blocks now
+    trips = TwoTrips.begin_now(pipeline, "test", [one(1, "a")], lambda _r: [one(2, "b")])
+    assert trips is not None
+    steps = 0
+    while not trips.done:
+        ready, _, _ = select.select([trips.fileno], [], [], 5)
+        assert ready, "no answer in 5 s"
+        trips.step()
+        steps += 1
+    assert steps >= 2  # one answer per trip
+    assert [r[0][0] for r in trips.rows()] == ["a", "b"]
+    assert ids(engine) == ["a", "b"]

@@ -166,12 +166,17 @@ class BatchClaims:
         # Plain SQL, built once per batch size: run by the worker's committer for every
         # task, right before the pool gets the job.
         limited, unique = split_starts(permits, leases)
-        started = permits_sql.start_limited(self.conns, self.pipeline, holder, limited, ttl,
-                                            permits or {}, waiting)
+        started = permits_sql.start_limited(self.conns, holder, limited, ttl, permits or {},
+                                            waiting, self.limited_chunks())
         for i in range(0, len(unique), CHUNK):
             with translated("start"), self.conns.single() as conn:
                 started.update(self.start_in(conn, holder, unique[i:i + CHUNK], ttl))
         return started
+
+    def limited_chunks(self) -> permits_sql.ChunkStarter | None:
+        """How a chunk of starts under permits is taken (None: in a transaction of the
+        general kind, :func:`.permits.start`)."""
+        return None
 
     def start_in(self, conn: sa.Connection, holder: str, leases: Sequence[LeaseKey],
                  ttl: float) -> dict[str, float]:

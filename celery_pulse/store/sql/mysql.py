@@ -266,8 +266,8 @@ class MySqlClaims:
                    waiting: set[str] | None = None) -> dict[str, float]:
         now = self.conns.now
         limited, unique = split_starts(permits, leases)
-        started = permits_sql.start_limited(self.conns, None, holder, limited, ttl,
-                                            permits or {}, waiting)
+        started = permits_sql.start_limited(self.conns, holder, limited, ttl, permits or {},
+                                            waiting)
         for i in range(0, len(unique), CHUNK):
             chunk: list[Any] = unique[i:i + CHUNK]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -36,9 +36,6 @@ from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.errors import driver_translated, translated
 from celery_pulse.store.sql.tables import claims, permit_holds, permits
-
-if TYPE_CHECKING:
-    from celery_pulse.store.sql.pipeline import Pipeline
 
 #: The claim a hold row belongs to, under the epoch that asked for the permit.
 _SAME_ATTEMPT = sa.and_(claims.c.task_id == permit_holds.c.task_id,
@@ -86,7 +83,7 @@ def drop_past(conn: sa.Connection, keys: Sequence[str] | None = None, limit: int
             [tuple(row) for row in past]))).rowcount)
 
 
-def _decide(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
+def decide(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
             used: dict[str, int], live: set[tuple[str, int]]
             ) -> tuple[list[LeaseKey], list[LeaseKey], list[dict[str, Any]]]:
     """:func:`~celery_pulse.store.rules.decide_permits`, its holds as rows of
@@ -96,7 +93,7 @@ def _decide(leases: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit
                               for key, task_id, epoch, held in holds]
 
 
-def _wanted(leases: Sequence[LeaseKey], needs: Mapping[str, Sequence[Permit]]
+def wanted_of(leases: Sequence[LeaseKey], needs: Mapping[str, Sequence[Permit]]
             ) -> tuple[dict[str, dict[str, Permit]], dict[str, int]]:
     wanted = {lease[0]: {p.key: p for p in needs[lease[0]]} for lease in leases}
     return wanted, {key: p.limit for keyed in wanted.values() for key, p in keyed.items()}
@@ -111,7 +108,7 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
     reservations of ``holder`` are in neither.
     """
     now = dialect.now()
-    wanted, limits = _wanted(leases, needs)
+    wanted, limits = wanted_of(leases, needs)
     windows = rate_windows(wanted)
     lock_keys(conn, dialect, limits, windows)
     drop_past(conn, [k for k in limits if k not in windows])
@@ -125,7 +122,7 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
                 [tuple(lease) for lease in leases]),
             claims.c.holder == holder, claims.c.state == RESERVED,
             claims.c.lease_until > now).with_for_update())}
-    granted, waiting, rows = _decide(leases, wanted, used, live)
+    granted, waiting, rows = decide(leases, wanted, used, live)
     started: dict[str, float] = {}
     if granted:
         ids = [lease[0] for lease in granted]
@@ -138,104 +135,14 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
         conn.execute(sa.delete(permit_holds).where(
             permit_holds.c.task_id.in_([lease[0] for lease in granted + waiting])))
         conn.execute(sa.insert(permit_holds), rows)
-    return started, _waiting(waiting, wanted, used, oldest)
+    return started, waiting_of(waiting, wanted, used, oldest)
 
 
-def _waiting(waiting: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
+def waiting_of(waiting: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],
              used: Mapping[str, int], oldest: Mapping[str, float]) -> Waiting:
     out = Waiting(*(lease[0] for lease in waiting))
     out.retry_in.update(rate_retry(waiting, wanted, used, oldest))
     return out
-
-
-@functools.lru_cache(maxsize=4)
-def _pg_sql(now: str) -> dict[str, str]:
-    """:func:`start`'s statements in plain PostgreSQL (arrays for every batch size),
-    built once per clock expression, not at every start."""
-    live = f"('{RESERVED}', '{RUNNING}')"
-    return {
-        "lock": (
-            "INSERT INTO pulse_permits (key, max_running, updated_at, window_s) "
-            f"SELECT k, l, {now}, w FROM unnest(%s::text[], %s::int[], %s::float8[]) "
-            "AS t(k, l, w) ORDER BY k "
-            "ON CONFLICT (key) DO UPDATE SET max_running = EXCLUDED.max_running, "
-            "updated_at = EXCLUDED.updated_at, window_s = EXCLUDED.window_s"),
-        "drop_past": (
-            "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND h.held "
-            "AND NOT EXISTS "
-            "(SELECT 1 FROM pulse_claims c WHERE c.task_id = h.task_id AND c.epoch = h.epoch "
-            f"AND c.state IN {live})"),
-        "holders": (
-            "SELECT h.key, count(*) FROM pulse_permit_holds h JOIN pulse_claims c "
-            "ON c.task_id = h.task_id AND c.epoch = h.epoch WHERE h.key = ANY(%s::text[]) "
-            f"AND h.held AND c.state = '{RUNNING}' GROUP BY h.key"),
-        "live": (
-            "SELECT c.task_id, c.epoch FROM pulse_claims c "
-            "JOIN unnest(%s::text[], %s::bigint[], %s::text[]) AS v(task_id, epoch, token) "
-            "ON c.task_id = v.task_id AND c.epoch = v.epoch AND c.token = v.token "
-            f"WHERE c.holder = %s AND c.state = '{RESERVED}' AND c.lease_until > {now} "
-            "ORDER BY c.task_id FOR UPDATE OF c"),
-        "start": (
-            f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
-            f"lease_until = {now} + %s WHERE task_id = ANY(%s::text[]) "
-            "RETURNING task_id, lease_until"),
-        "forget": "DELETE FROM pulse_permit_holds WHERE task_id = ANY(%s::text[])",
-        "hold": (
-            "INSERT INTO pulse_permit_holds (key, task_id, epoch, held) "
-            "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::bool[])"),
-        **rates.pg_sql(now),
-    }
-
-
-def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
-                    leases: Sequence[LeaseKey], ttl: float,
-                    needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
-    """:func:`start` on PostgreSQL's pipelined connection: one transaction in two round
-    trips (lock, tidy, count and check; then start and record), prepared statements, no
-    SQLAlchemy. Each statement reads a fresh snapshot (READ COMMITTED), so the count
-    that follows the key's lock sees every start that held the lock before it."""
-    sql = _pg_sql(dialect.clock)
-    wanted, limits = _wanted(leases, needs)
-    windows = rate_windows(wanted)
-    keys = sorted(limits)
-    held_keys = [k for k in keys if k not in windows]
-    ordered = sorted(leases)
-    first = [
-        (sql["lock"], (keys, [limits[k] for k in keys], [windows.get(k) for k in keys])),
-        (sql["drop_past"], (held_keys,)),
-        (sql["holders"], (held_keys,)),
-        (sql["live"], ([lease[0] for lease in ordered], [lease[1] for lease in ordered],
-                       [lease[2] for lease in ordered], holder)),
-        (sql["rate_drop"], rates.pg_params(windows)),
-        (sql["rate_count"], (sorted(windows),)),
-    ]
-    decided: dict[str, Any] = {}
-
-    def second(rows: list[list[tuple[Any, ...]]]) -> list[tuple[str, Sequence[Any]]]:
-        used = {key: int(count) for key, count in rows[2]}
-        used.update({key: int(count) for key, count, _ in rows[5]})
-        decided["oldest"] = {key: min(0.0, float(age)) for key, _, age in rows[5]}
-        live = {(task_id, int(epoch)) for task_id, epoch in rows[3]}
-        granted, waiting, holds = _decide(leases, wanted, used, live)
-        decided.update(granted=granted, waiting=waiting, used=used)
-        out: list[tuple[str, Sequence[Any]]] = []
-        if granted:
-            out.append((sql["start"], (ttl, [lease[0] for lease in granted])))
-            grants = rate_grants(granted, wanted)
-            if grants:
-                out.append((sql["rate_record"], ([g[0] for g in grants], [g[1] for g in grants],
-                                                 [g[2] for g in grants])))
-        if holds:
-            out.append((sql["forget"], ([lease[0] for lease in granted + waiting],)))
-            out.append((sql["hold"], ([r["key"] for r in holds], [r["task_id"] for r in holds],
-                                      [r["epoch"] for r in holds], [r["held"] for r in holds])))
-        return out
-
-    results = pipeline.transaction("start", first, second)
-    started = {task_id: float(until) for task_id, until in results[0]} if decided.get(
-        "granted") else {}
-    return started, _waiting(decided.get("waiting", ()), wanted, decided.get("used", {}),
-                             decided.get("oldest", {}))
 
 
 def usage(conn: sa.Connection, dialect: Dialect) -> list[PermitUsage]:
@@ -279,16 +186,22 @@ def purge(conn: sa.Connection, dialect: Dialect, older_than: float, limit: int =
     return dropped
 
 
-def start_limited(conns: Connections, pipeline: Pipeline | None, holder: str,
-                  leases: list[LeaseKey], ttl: float, needs: Mapping[str, Sequence[Permit]],
-                  waiting: set[str] | None) -> dict[str, float]:
-    """Starts that need permits: one transaction per chunk, their keys locked (on
-    PostgreSQL's pipeline when there is one)."""
+#: Starts one chunk of limited starts in a transaction of its own (a store's own way,
+#: such as PostgreSQL's pipeline): ``(holder, leases, ttl, needs) -> (started, waiting)``.
+ChunkStarter = Callable[[str, list[LeaseKey], float, Mapping[str, Sequence[Permit]]],
+                        tuple[dict[str, float], set[str]]]
+
+
+def start_limited(conns: Connections, holder: str, leases: list[LeaseKey], ttl: float,
+                  needs: Mapping[str, Sequence[Permit]], waiting: set[str] | None,
+                  start_chunk: ChunkStarter | None = None) -> dict[str, float]:
+    """Starts that need permits: one transaction per chunk, their keys locked (by
+    ``start_chunk`` where the store has its own way)."""
     started: dict[str, float] = {}
     for i in range(0, len(leases), CHUNK):
         chunk = leases[i:i + CHUNK]
-        if pipeline is not None:
-            moved, wait = start_pipelined(pipeline, conns.dialect, holder, chunk, ttl, needs)
+        if start_chunk is not None:
+            moved, wait = start_chunk(holder, chunk, ttl, needs)
         else:
             moved, wait = conns.atomic("start", functools.partial(
                 start, dialect=conns.dialect, holder=holder, leases=chunk, ttl=ttl,

@@ -17,7 +17,7 @@ import functools
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -36,6 +36,12 @@ from celery_pulse.store.sql.libpq_io import SocketCalls
 PREPARED_MAX = 100
 
 _OK = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
+
+#: A transaction over more than one round trip (:mod:`.pipeline_tx`) opens and ends
+#: with these, sent unprepared.
+BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
+COMMIT = "COMMIT"
+_UNPREPARED = frozenset((BEGIN, COMMIT))
 
 
 class Pipeline:
@@ -57,7 +63,7 @@ class Pipeline:
         #: pooler hands the server connection to another client after each one.
         self.unnamed = False
         #: Statements that cap the transaction's idle time (a transaction pooler, the
-        #: server's default being 0): sent first in :meth:`transaction`.
+        #: server's default being 0): sent first in :meth:`opening`.
         self._cap: list[tuple[str, Sequence[Any]]] = []
 
     def _connection(self) -> psycopg.Connection[Any]:
@@ -86,16 +92,21 @@ class Pipeline:
         flight.wait(None)
         return flight.rows()
 
-    def begin(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]) -> InFlight:
+    def begin(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]], *,
+              opens: bool = False) -> InFlight:
         """Send ``statements`` (one round trip, one implicit transaction) without waiting
         for the answer: the caller drives the returned :class:`InFlight` to its end, from
         an event loop (:meth:`InFlight.step` when the socket is readable) or blocking
-        (:meth:`InFlight.wait`). The connection is the flight's until it ends."""
-        self._lock.acquire()
-        return self._begin(where, statements)
+        (:meth:`InFlight.wait`). The connection is the flight's until it ends.
 
-    def begin_now(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]
-                  ) -> InFlight | None:
+        With ``opens``, the statements open a transaction that later round trips
+        continue (:meth:`InFlight.follow`): ``BEGIN`` goes first (and what caps its idle
+        time where a transaction pooler needs it)."""
+        self._lock.acquire()
+        return self._begin(where, statements, opens)
+
+    def begin_now(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]], *,
+                  opens: bool = False) -> InFlight | None:
         """:meth:`begin`, or None where that could block: the connection is in use by
         another thread, or not open (connecting waits for the server)."""
         if not self._lock.acquire(blocking=False):
@@ -103,15 +114,17 @@ class Pipeline:
         if self._raw is None:
             self._lock.release()
             return None
-        return self._begin(where, statements)
+        return self._begin(where, statements, opens)
 
-    def _begin(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]) -> InFlight:
+    def _begin(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]],
+               opens: bool = False) -> InFlight:
         try:
             # SQLAlchemy's errors while connecting, psycopg's after
             with translated(where), driver_translated(where):
                 conn = self._connection()
-                ours, new = self._queue(conn, statements)
-                flight = InFlight(self, where, conn, ours, new)
+                opening = [(BEGIN, ()), *self._cap] if opens else []
+                ours, new = self._queue(conn, [*opening, *statements])
+                flight = InFlight(self, where, conn, ours, new, len(opening))
         except BaseException as exc:
             self.failed(exc)
             self._lock.release()
@@ -131,7 +144,7 @@ class Pipeline:
         for sql, params in statements:
             values = tx.dump_sequence(params, [PyFormat.AUTO] * len(params))
             types = tx.types or ()
-            if self.unnamed:
+            if self.unnamed or sql in _UNPREPARED:
                 pg.send_query_params(_native(sql), values, param_types=types,
                                      param_formats=tx.formats)
                 ours.append(True)
@@ -155,37 +168,6 @@ class Pipeline:
         assert self._io is not None
         self._io.sync()
         return ours, new
-
-    def transaction(self, where: str, first: Sequence[tuple[str, Sequence[Any]]],
-                    then: Callable[[list[list[tuple[Any, ...]]]],
-                                   Sequence[tuple[str, Sequence[Any]]]]
-                    ) -> list[list[tuple[Any, ...]]]:
-        """One transaction in two round trips: ``first``'s rows decide the statements
-        ``then`` returns, which go out with the ``COMMIT``. Their rows."""
-        with self._lock:
-            try:
-                with translated(where), driver_translated(where):
-                    conn = self._connection()
-                    prepare = not self.unnamed
-                    cap = len(self._cap)
-                    with conn.pipeline() as pipe, conn.transaction():
-                        cursors = self._send(conn, [*self._cap, *first], prepare)[cap:]
-                        pipe.sync()
-                        cursors = self._send(conn, then([_rows(c) for c in cursors]), prepare)
-                    return [_rows(cursor) for cursor in cursors]
-            except BaseException as exc:
-                self.failed(exc)
-                raise
-
-    @staticmethod
-    def _send(conn: psycopg.Connection[Any], statements: Sequence[tuple[str, Sequence[Any]]],
-              prepare: bool) -> list[psycopg.Cursor[Any]]:
-        cursors = []
-        for sql, params in statements:
-            cursor = conn.cursor()
-            cursor.execute(sql, params, prepare=prepare)
-            cursors.append(cursor)
-        return cursors
 
     def failed(self, exc: BaseException | None) -> None:
         """A failed pipeline leaves the connection unusable: close it. If the server
@@ -216,10 +198,12 @@ class InFlight:
     """
 
     def __init__(self, pipeline: Pipeline, where: str, conn: psycopg.Connection[Any],
-                 ours: list[bool], new: list[tuple[tuple[str, tuple[int, ...]], bytes]]
-                 ) -> None:
+                 ours: list[bool], new: list[tuple[tuple[str, tuple[int, ...]], bytes]],
+                 skip: int = 0) -> None:
         self.pipeline, self.where, self.conn = pipeline, where, conn
         self._ours, self._new = ours, new
+        #: Statements the caller did not send (a transaction's opening): no rows given.
+        self._skip = skip
         self._results: list[Any] = []
         self._last: Any = None
         self._ended = False
@@ -298,14 +282,25 @@ class InFlight:
                 poll.poll(None if left is None else max(1, int(left * 1000)))
                 self._pump()
 
-    def rows(self) -> list[list[tuple[Any, ...]]]:
-        """The rows of each statement, once :attr:`done`."""
+    def rows(self, *, keep: bool = False) -> list[list[tuple[Any, ...]]]:
+        """The rows of each statement, once :attr:`done`. With ``keep``, the pipeline
+        stays this flight's, for :meth:`follow` (unless reading failed: the connection
+        is closed then)."""
         assert self.done, "rows() before the exchange ended"
         try:
             with self._guard():
                 return self._rows()
         finally:
-            self._end()
+            if not keep:
+                self._end()
+
+    def follow(self, where: str, statements: Sequence[tuple[str, Sequence[Any]]]
+               ) -> InFlight:
+        """The next round trip of a transaction this flight opened (its rows read with
+        ``keep``): the connection passes to the flight returned."""
+        assert self.done and not self._ended
+        self._ended = True  # the lock passes on, not released
+        return self.pipeline._begin(where, statements)
 
     def _rows(self) -> list[list[tuple[Any, ...]]]:
         conn, tx = self.conn, self.pipeline._tx
@@ -323,7 +318,7 @@ class InFlight:
                 rows.append(tx.load_rows(0, res.ntuples, tuple))
             else:
                 rows.append([])
-        return rows
+        return rows[self._skip:]
 
     def abandon(self) -> None:
         """Give up on the answer (its effect unknown): the connection is closed."""
@@ -338,11 +333,6 @@ class InFlight:
         if not self._ended:
             self._ended = True
             self.pipeline._lock.release()
-
-def _rows(cursor: psycopg.Cursor[Any]) -> list[tuple[Any, ...]]:
-    """A statement's rows; none for one that returns none (an INSERT, a DELETE)."""
-    return cursor.fetchall() if cursor.description is not None else []
-
 
 @functools.lru_cache(maxsize=256)
 def _native(sql: str) -> bytes:

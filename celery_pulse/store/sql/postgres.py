@@ -13,6 +13,7 @@ takes the general path (rare: the keeper's batches are of distinct, recent tasks
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,16 +27,17 @@ from celery_pulse.store.base import (
     Refusal,
     ReserveRequest,
     ResultRecord,
-    Waiting,
 )
 from celery_pulse.store.rules import split_by_permits
 from celery_pulse.store.sql import permits as permits_sql
+from celery_pulse.store.sql import permits_postgres
 from celery_pulse.store.sql.batch_sql import Statement
 from celery_pulse.store.sql.claim_rows import CHUNK, grants, stale_answers, task_id_of
 from celery_pulse.store.sql.claims import BatchClaims
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.pipeline import InFlight, Pipeline
+from celery_pulse.store.sql.pipeline_tx import TwoTrips
 from celery_pulse.store.sql.results import ResultRows, fenced_upsert_cte, fenced_upsert_params
 
 
@@ -82,31 +84,21 @@ class PostgresClaims(BatchClaims):
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
                  permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged | None:
-        """The three statements in one pipeline (None: the general path, see the module doc)."""
+        """The statements in one pipeline, or two round trips of one transaction with
+        starts under permits (None: the general path, see the module doc)."""
         if not self.pipelined(completions, reserves, starts):
             return None
-        limited, starts = split_by_permits(permits, starts)
-        if limited:
-            # Starts that need permits lock their keys in a transaction of their own,
-            # after the rest (whose completions give permits back first). The rest is
-            # pipelined too: fewer of the same distinct ids.
-            done = self.exchange(holder, ttl, completions, reserves, starts) if (
-                completions or reserves or starts) else Exchanged({}, [], {})
-            assert done is not None
-            waiting = Waiting()
-            started = permits_sql.start_limited(self.conns, self.pipeline, holder, limited,
-                                                ttl, permits or {}, waiting)
-            return dataclasses.replace(done, started={**done.started, **started},
-                                       waiting=frozenset(waiting),
-                                       retry_in=dict(waiting.retry_in))
-        assert self.pipeline is not None
-        flight = self.pipeline.begin("exchange", self.exchange_statements(
-            holder, ttl, completions, reserves, starts))
-        flight.wait(None)
-        answers = PipelinedExchange(self, holder, flight, completions, reserves,
-                                    bool(starts)).finish(blocking=True)
+        exchange = self._begin(holder, ttl, completions, reserves, starts, permits, now=False)
+        assert exchange is not None
+        exchange.flight.wait(None)
+        answers = exchange.finish(blocking=True)
         assert answers is not None
         return answers
+
+    def limited_chunks(self) -> permits_sql.ChunkStarter | None:
+        if self.pipeline is None:
+            return None
+        return functools.partial(permits_postgres.start_pipelined, self.pipeline, self.dialect)
 
     def pipelined(self, completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
                   starts: Sequence[LeaseKey]) -> bool:
@@ -124,14 +116,33 @@ class PostgresClaims(BatchClaims):
                        ) -> PipelinedExchange | None:
         """:meth:`exchange`, sent on the pipeline without waiting for the answer (for the
         worker's event loop); None where it takes another path (see :meth:`exchange`)."""
-        if permits or not self.pipelined(completions, reserves, starts):
+        if not self.pipelined(completions, reserves, starts):
             return None
-        assert self.pipeline is not None
-        flight = self.pipeline.begin_now("exchange", self.exchange_statements(
-            holder, ttl, completions, reserves, starts))
-        if flight is None:  # connecting (or waiting for another thread) would block
-            return None
-        return PipelinedExchange(self, holder, flight, completions, reserves, bool(starts))
+        return self._begin(holder, ttl, completions, reserves, starts, permits, now=True)
+
+    def _begin(self, holder: str, ttl: float, completions: Sequence[Completion],
+               reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+               permits: Mapping[str, Sequence[Permit]] | None, *, now: bool
+               ) -> PipelinedExchange | None:
+        """Send the exchange (``now``: None where that could block). Starts that need
+        permits make it one transaction of two round trips: the rest of the exchange and
+        the permits' first half (their keys locked after the completions gave theirs
+        back), then the starts under permits with the ``COMMIT``."""
+        pipeline = self.pipeline
+        assert pipeline is not None
+        limited, starts = split_by_permits(permits, starts)
+        statements = self.exchange_statements(holder, ttl, completions, reserves, starts)
+        if not limited:
+            flight = (pipeline.begin_now if now else pipeline.begin)("exchange", statements)
+            return None if flight is None else PipelinedExchange(
+                self, holder, flight, completions, reserves, bool(starts))
+        plan = permits_postgres.PermitPlan(self.dialect, holder, limited, ttl, permits or {})
+        at = len(statements)
+        trips = (TwoTrips.begin_now if now else TwoTrips.begin)(
+            pipeline, "exchange", [*statements, *plan.first],
+            lambda rows: plan.then(rows[at:]))
+        return None if trips is None else PipelinedExchange(
+            self, holder, trips, completions, reserves, bool(starts), plan)
 
     def exchange_statements(self, holder: str, ttl: float, completions: Sequence[Completion],
                             reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey]
@@ -184,11 +195,13 @@ class PipelinedExchange:
     own, which ``finish(blocking=False)`` leaves to a caller that may block (None).
     """
 
-    def __init__(self, claims: PostgresClaims, holder: str, flight: InFlight,
+    def __init__(self, claims: PostgresClaims, holder: str, flight: InFlight | TwoTrips,
                  completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
-                 starts: bool) -> None:
+                 starts: bool, plan: permits_postgres.PermitPlan | None = None) -> None:
         self.claims, self.holder, self.flight = claims, holder, flight
         self.completions, self.reserves, self.starts = completions, reserves, starts
+        #: Starts under permits, in the same transaction (their rows come last).
+        self.plan = plan
         self._rows: list[list[tuple[Any, ...]]] | None = None
 
     def finish(self, *, blocking: bool) -> Exchanged | None:
@@ -198,8 +211,15 @@ class PipelinedExchange:
         rows = self._rows
         if not blocking and self._needs_reads(rows):
             return None
-        return self.claims.exchanged(self.holder, self.completions, self.reserves,
-                                     self.starts, iter(rows))
+        results = iter(rows)
+        done = self.claims.exchanged(self.holder, self.completions, self.reserves,
+                                     self.starts, results)
+        plan = self.plan
+        if plan is None:
+            return done
+        started, waiting = plan.outcome(list(results)[len(plan.first):])
+        return dataclasses.replace(done, started={**done.started, **started},
+                                   waiting=frozenset(waiting), retry_in=dict(waiting.retry_in))
 
     def _needs_reads(self, rows: list[list[tuple[Any, ...]]]) -> bool:
         at = 0

@@ -1,0 +1,129 @@
+"""PostgreSQL's starts under permits, on the worker's pipelined connection: plain SQL
+(arrays for every batch size, prepared once), no SQLAlchemy.
+
+One batch is one transaction in two round trips (:class:`PermitPlan`): lock the keys,
+tidy and count their holders and past starts, read which leases are still live
+reservations; then, decided in Python from those rows, start and record. On the worker's
+event loop the first half goes out with the rest of the exchange
+(:class:`~.pipeline_tx.TwoTrips`); alone, :func:`start_pipelined`. Each statement reads
+a fresh snapshot (READ COMMITTED), so the count that follows a key's lock sees every
+start that held the lock before it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+from celery_pulse.store.base import RESERVED, RUNNING, LeaseKey, Permit, Waiting
+from celery_pulse.store.rules import rate_grants, rate_windows
+from celery_pulse.store.sql import rates
+from celery_pulse.store.sql.dialect import Dialect
+from celery_pulse.store.sql.permits import decide, waiting_of, wanted_of
+from celery_pulse.store.sql.pipeline import Pipeline
+from celery_pulse.store.sql.pipeline_tx import Rows, Statement, TwoTrips
+
+
+@functools.lru_cache(maxsize=4)
+def statements(now: str) -> dict[str, str]:
+    """:func:`start`'s statements in plain PostgreSQL (arrays for every batch size),
+    built once per clock expression, not at every start."""
+    live = f"('{RESERVED}', '{RUNNING}')"
+    return {
+        "lock": (
+            "INSERT INTO pulse_permits (key, max_running, updated_at, window_s) "
+            f"SELECT k, l, {now}, w FROM unnest(%s::text[], %s::int[], %s::float8[]) "
+            "AS t(k, l, w) ORDER BY k "
+            "ON CONFLICT (key) DO UPDATE SET max_running = EXCLUDED.max_running, "
+            "updated_at = EXCLUDED.updated_at, window_s = EXCLUDED.window_s"),
+        "drop_past": (
+            "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND h.held "
+            "AND NOT EXISTS "
+            "(SELECT 1 FROM pulse_claims c WHERE c.task_id = h.task_id AND c.epoch = h.epoch "
+            f"AND c.state IN {live})"),
+        "holders": (
+            "SELECT h.key, count(*) FROM pulse_permit_holds h JOIN pulse_claims c "
+            "ON c.task_id = h.task_id AND c.epoch = h.epoch WHERE h.key = ANY(%s::text[]) "
+            f"AND h.held AND c.state = '{RUNNING}' GROUP BY h.key"),
+        "live": (
+            "SELECT c.task_id, c.epoch FROM pulse_claims c "
+            "JOIN unnest(%s::text[], %s::bigint[], %s::text[]) AS v(task_id, epoch, token) "
+            "ON c.task_id = v.task_id AND c.epoch = v.epoch AND c.token = v.token "
+            f"WHERE c.holder = %s AND c.state = '{RESERVED}' AND c.lease_until > {now} "
+            "ORDER BY c.task_id FOR UPDATE OF c"),
+        "start": (
+            f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
+            f"lease_until = {now} + %s WHERE task_id = ANY(%s::text[]) "
+            "RETURNING task_id, lease_until"),
+        "forget": "DELETE FROM pulse_permit_holds WHERE task_id = ANY(%s::text[])",
+        "hold": (
+            "INSERT INTO pulse_permit_holds (key, task_id, epoch, held) "
+            "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::bool[])"),
+        **rates.pg_sql(now),
+    }
+
+
+class PermitPlan:
+    """One batch of limited starts as the two halves of its transaction: :attr:`first`
+    (sent at once), :meth:`then` (from the first half's rows: the starts and holds, sent
+    with the ``COMMIT``), :meth:`outcome` (from the second half's rows)."""
+
+    def __init__(self, dialect: Dialect, holder: str, leases: Sequence[LeaseKey],
+                 ttl: float, needs: Mapping[str, Sequence[Permit]]) -> None:
+        self.sql = sql = statements(dialect.clock)
+        self.leases, self.ttl = leases, ttl
+        self.wanted, limits = wanted_of(leases, needs)
+        windows = rate_windows(self.wanted)
+        keys = sorted(limits)
+        held_keys = [k for k in keys if k not in windows]
+        ordered = sorted(leases)
+        self.first: list[Statement] = [
+            (sql["lock"], (keys, [limits[k] for k in keys], [windows.get(k) for k in keys])),
+            (sql["drop_past"], (held_keys,)),
+            (sql["holders"], (held_keys,)),
+            (sql["live"], ([lease[0] for lease in ordered], [lease[1] for lease in ordered],
+                           [lease[2] for lease in ordered], holder)),
+            (sql["rate_drop"], rates.pg_params(windows)),
+            (sql["rate_count"], (sorted(windows),)),
+        ]
+        self.granted: list[LeaseKey] = []
+        self.waiting: list[LeaseKey] = []
+        self.used: dict[str, int] = {}
+        self.oldest: dict[str, float] = {}
+
+    def then(self, rows: Rows) -> list[Statement]:
+        """The second half, decided from :attr:`first`'s rows."""
+        sql = self.sql
+        self.used = {key: int(count) for key, count in rows[2]}
+        self.used.update({key: int(count) for key, count, _ in rows[5]})
+        self.oldest = {key: min(0.0, float(age)) for key, _, age in rows[5]}
+        live = {(task_id, int(epoch)) for task_id, epoch in rows[3]}
+        granted, waiting, holds = decide(self.leases, self.wanted, self.used, live)
+        self.granted, self.waiting = granted, waiting
+        out: list[Statement] = []
+        if granted:
+            out.append((sql["start"], (self.ttl, [lease[0] for lease in granted])))
+            grants = rate_grants(granted, self.wanted)
+            if grants:
+                out.append((sql["rate_record"], ([g[0] for g in grants], [g[1] for g in grants],
+                                                 [g[2] for g in grants])))
+        if holds:
+            out.append((sql["forget"], ([lease[0] for lease in granted + waiting],)))
+            out.append((sql["hold"], ([r["key"] for r in holds], [r["task_id"] for r in holds],
+                                      [r["epoch"] for r in holds], [r["held"] for r in holds])))
+        return out
+
+    def outcome(self, rows: Rows) -> tuple[dict[str, float], Waiting]:
+        """``(task_id -> lease_until, the waiting)`` from :meth:`then`'s statements' rows."""
+        started = {task_id: float(until) for task_id, until in rows[0]} if self.granted else {}
+        return started, waiting_of(self.waiting, self.wanted, self.used, self.oldest)
+
+
+def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
+                    leases: Sequence[LeaseKey], ttl: float,
+                    needs: Mapping[str, Sequence[Permit]]) -> tuple[dict[str, float], set[str]]:
+    """One batch of limited starts in a transaction of its own, on the pipeline."""
+    plan = PermitPlan(dialect, holder, leases, ttl, needs)
+    trips = TwoTrips.begin(pipeline, "start", plan.first, plan.then)
+    trips.wait(None)
+    return plan.outcome(trips.rows()[len(plan.first):])
