@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from celery_pulse.store.base import RESERVED, RUNNING, LeaseKey, Permit, Waiting
 from celery_pulse.store.rules import rate_grants, rate_windows
@@ -67,6 +68,7 @@ def statements(now: str) -> dict[str, str]:
         "hold": (
             "INSERT INTO pulse_permit_holds (key, task_id, epoch, held) "
             "SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::bool[])"),
+        "indexes_only": INDEXES_ONLY,
         **rates.pg_sql(now),
     }
 
@@ -85,15 +87,17 @@ class PermitPlan:
         keys = sorted(limits)
         held_keys = [k for k in keys if k not in windows]
         ordered = sorted(leases)
-        self.first: list[Statement] = [
-            (INDEXES_ONLY, ()),
-            (sql["lock"], (keys, [limits[k] for k in keys], [windows.get(k) for k in keys])),
-            (sql["drop_past"], (held_keys,)),
-            (sql["holders"], (held_keys,)),
-            (sql["live"], (holder, [lease[0] for lease in ordered])),
-            (sql["rate_drop"], rates.pg_params(windows)),
-            (sql["rate_count"], (sorted(windows),)),
-        ]
+        named: list[tuple[str, Sequence[Any]]] = [
+            ("indexes_only", ()),
+            ("lock", (keys, [limits[k] for k in keys], [windows.get(k) for k in keys])),
+            ("live", (holder, [lease[0] for lease in ordered]))]
+        if held_keys:  # concurrency limits: who holds them
+            named += [("drop_past", (held_keys,)), ("holders", (held_keys,))]
+        if windows:  # rate limits: the starts in each window
+            named += [("rate_drop", rates.pg_params(windows)), ("rate_count", (sorted(windows),))]
+        #: Where each statement's rows are in the first half's.
+        self.at = {name: i for i, (name, _) in enumerate(named)}
+        self.first: list[Statement] = [(sql[name], params) for name, params in named]
         self.granted: list[LeaseKey] = []
         self.waiting: list[LeaseKey] = []
         self.used: dict[str, int] = {}
@@ -102,12 +106,14 @@ class PermitPlan:
     def then(self, rows: Rows) -> list[Statement]:
         """The second half, decided from :attr:`first`'s rows."""
         sql = self.sql
-        rows = rows[1:]  # (INDEXES_ONLY's)
-        self.used = {key: int(count) for key, count in rows[2]}
-        self.used.update({key: int(count) for key, count, _ in rows[5]})
-        self.oldest = {key: min(0.0, float(age)) for key, _, age in rows[5]}
+
+        def of(name: str) -> list[tuple[Any, ...]]:
+            return rows[self.at[name]] if name in self.at else []
+        self.used = {key: int(count) for key, count in of("holders")}
+        self.used.update({key: int(count) for key, count, _ in of("rate_count")})
+        self.oldest = {key: min(0.0, float(age)) for key, _, age in of("rate_count")}
         asked = {(lease[0], lease[1], lease[2]) for lease in self.leases}
-        live = {(task_id, int(epoch)) for task_id, epoch, token, reserved in rows[3]
+        live = {(task_id, int(epoch)) for task_id, epoch, token, reserved in of("live")
                 if reserved and (task_id, int(epoch), token) in asked}
         granted, waiting, holds = decide(self.leases, self.wanted, self.used, live)
         self.granted, self.waiting = granted, waiting
