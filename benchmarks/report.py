@@ -1368,9 +1368,14 @@ def _permits_meaning(pm: dict[str, Any]) -> str:
         parts.append(text + ". ")
     text = "".join(parts)
     if parts:
-        text += ("A limited task's start is a transaction of its own that locks the key's "
-                 "row and counts its holders, never folded into its reservation's statement "
-                 "(whether a permit is free is not known then). Under load it is made ahead "
+        text += ("A limited task's start locks the key's row and counts its holders, "
+                 "never folded into its reservation's statement (whether a permit is free is "
+                 "not known then); on PostgreSQL it rides on the worker's exchange, one "
+                 "transaction in two round trips on the event loop (the key locked and "
+                 "counted with the exchange's statements, the start with the COMMIT), so a "
+                 "limited start costs the exchange one more round trip and a row update "
+                 "(the reservation, then the start) where an unlimited task is reserved "
+                 "running in one statement. Under load it is made ahead "
                  "of the pool, as an unlimited task's is, while earlier jobs run (per key, "
                  "one in flight at first, twice as many after each that got its permit); "
                  "under a limit that binds most tasks ask once their process is free, and "
