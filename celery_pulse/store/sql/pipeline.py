@@ -63,7 +63,8 @@ class Pipeline:
         #: pooler hands the server connection to another client after each one.
         self.unnamed = False
         #: Statements that cap the transaction's idle time (a transaction pooler, the
-        #: server's default being 0): sent first in :meth:`opening`.
+        #: server's default being 0): sent right after the ``BEGIN`` of a flight that
+        #: ``opens`` a transaction.
         self._cap: list[tuple[str, Sequence[Any]]] = []
 
     def _connection(self) -> psycopg.Connection[Any]:

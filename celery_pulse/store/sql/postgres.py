@@ -6,6 +6,9 @@ as three statements in one round trip and one implicit transaction; the completi
 statement also writes their results (the ``pulse://`` backend's), for the claims it
 applied only. :meth:`PostgresClaims.begin_exchange` sends it without waiting, for the
 worker's event loop; :class:`PipelinedExchange` reads its answers when they arrive.
+Starts under permits make the exchange one transaction of two round trips
+(:class:`~.pipeline_tx.TwoTrips`): the permits' first half goes out with the rest, their
+starts with the ``COMMIT`` (:mod:`.permits_postgres`).
 A task id twice in one kind, a batch over the chunk size, or a chord part's counter
 takes the general path (rare: the keeper's batches are of distinct, recent tasks).
 """
