@@ -34,7 +34,7 @@ INDEXES_ONLY = "SET LOCAL enable_seqscan = off"
 
 @functools.lru_cache(maxsize=4)
 def statements(now: str) -> dict[str, str]:
-    """:func:`start`'s statements in plain PostgreSQL (arrays for every batch size),
+    """:func:`.permits.start`'s statements in plain PostgreSQL (arrays for every batch size),
     built once per clock expression, not at every start."""
     live = f"('{RESERVED}', '{RUNNING}')"
     return {
@@ -131,7 +131,9 @@ class PermitPlan:
         return out
 
     def outcome(self, rows: Rows) -> tuple[dict[str, float], Waiting]:
-        """``(task_id -> lease_until, the waiting)`` from :meth:`then`'s statements' rows."""
+        """``(task_id -> lease_until, the waiting)``, from the transaction's rows of
+        :attr:`first` and :meth:`then`'s statements, in order."""
+        rows = rows[len(self.first):]
         started = {task_id: float(until) for task_id, until in rows[0]} if self.granted else {}
         return started, waiting_of(self.waiting, self.wanted, self.used, self.oldest)
 
@@ -143,4 +145,4 @@ def start_pipelined(pipeline: Pipeline, dialect: Dialect, holder: str,
     plan = PermitPlan(dialect, holder, leases, ttl, needs)
     trips = TwoTrips.begin(pipeline, "start", plan.first, plan.then)
     trips.wait(None)
-    return plan.outcome(trips.rows()[len(plan.first):])
+    return plan.outcome(trips.rows())

@@ -220,7 +220,7 @@ class PipelinedExchange:
         plan = self.plan
         if plan is None:
             return done
-        started, waiting = plan.outcome(list(results)[len(plan.first):])
+        started, waiting = plan.outcome(list(results))
         return dataclasses.replace(done, started={**done.started, **started},
                                    waiting=frozenset(waiting), retry_in=dict(waiting.retry_in))
 
