@@ -8,8 +8,8 @@ and finishes sent to it, each exchange's all at once), by two such workers on th
 one gateway (``two remote workers``: two / one is the gateway's scaling), by two
 such workers each on a gateway of its own, both on the one store (``two gateways``:
 gateway processes share nothing but the store, so a fleet adds them), and by one remote
-worker with ``worker_prefetch_multiplier = 16`` (``capacity 32``: a deeper prefetch,
-so bigger dispatch rounds and group commits; the others keep Celery's 4). Runs
+worker with ``worker_prefetch_multiplier = 16`` (a deeper prefetch, so bigger dispatch
+rounds and group commits; the others keep Celery's 4). Runs
 alternate; the ratio is the median of per-repeat ratios. Results are ignored on every
 side (the throughput of results is section 1's).
 
@@ -33,14 +33,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks import gateway_storm, infra
+from benchmarks import gateway_cycle, gateway_storm, infra
 
 CONCURRENCY = 2
 X = "\N{MULTIPLICATION SIGN}"
 CLIENTS = 50
 RENEW_EVERY = 1.0
 VARIANTS = ("direct", "gateway", "gateway2", "gateways2", "gateway32")
-#: The prefetch multiplier of the ``gateway32`` variant (capacity 16 x -c 2).
+#: The prefetch multiplier of the ``gateway32`` variant (the others keep Celery's 4).
 DEEP_MULTIPLIER = 16
 #: The tasks the renewal clients run (capabilities route tasks: docs/gateway.md).
 CAPABILITIES = [{"handler": "bench.noop", "handler_version": "1", "payload_version": "1"}]
@@ -108,7 +108,7 @@ def _throughput(scratch: infra.Scratch, store: str, gateways: list[tuple[str, in
     """Tasks a second of ``variant``: ``direct``, ``gateway`` (one remote worker),
     ``gateway2`` (two remote workers on the first gateway, each ``-c 2``) or
     ``gateways2`` (two remote workers, one on each gateway) or ``gateway32`` (one remote
-    worker, prefetch multiplier 16: capacity 32); and the CPU milliseconds
+    worker, prefetch multiplier 16); and the CPU milliseconds
     per task of the workers (every process of theirs) and of the gateways used, between
     the workers' ready and the last task."""
     broker = infra.BROKERS["rabbitmq"]
@@ -148,7 +148,8 @@ def _throughput(scratch: infra.Scratch, store: str, gateways: list[tuple[str, in
     finally:
         infra.delete_queue(broker, queue)
     return {"rate": n / (stop - ready), "worker_cpu_ms": 1000 * spent[0] / n,
-            "gateway_cpu_ms": 1000 * spent[1] / n}
+            "gateway_cpu_ms": 1000 * spent[1] / n,
+            "cycle": gateway_cycle.measure(store, queue)}
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -263,7 +264,8 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                                            task, args, n)
                     infra.log(f"  {measured['rate']:.0f} tasks/s; CPU per task: workers "
                               f"{measured['worker_cpu_ms']:.2f} ms, gateways "
-                              f"{measured['gateway_cpu_ms']:.2f} ms")
+                              f"{measured['gateway_cpu_ms']:.2f} ms; a slot held "
+                              f"{measured['cycle'].get('held_ms', 0):.1f} ms")
                     runs.append({"workload": key, "label": label, "variant": variant,
                                  "repeat": rep, **measured})
         infra.log("gateway renew latency: 50 connected clients")
@@ -300,6 +302,10 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                             r[f"{side}_cpu_ms"] for r in mine if r["variant"] == variant)
                             for side in ("worker", "gateway")}
                             for variant in VARIANTS},
+                        "cycle": {variant: {part: statistics.median(
+                            r["cycle"][part] for r in mine if r["variant"] == variant)
+                            for part in ("reserve_start_ms", "start_finish_ms", "held_ms")}
+                            for variant in ("direct", "gateway")},
                         "deep": statistics.median(r["rate"] for r in mine
                                                   if r["variant"] == "gateway32"),
                         "deep_ratio": statistics.median(

@@ -1463,15 +1463,18 @@ def _md_gateway(gw: dict[str, Any], lines: list[str]) -> None:
                          f"{cpu['gateway2']['gateway']:.2f} | "
                          f"{cpu['gateways2']['gateway']:.2f} |")
     if all("deep" in row for row in gw["summary"]):  # measured since stop 53
-        lines += ["", "One remote worker with a deeper prefetch (multiplier 16: capacity 32, "
-                  "against Celery's 4: capacity 8 above):", "",
-                  "| Workload | capacity 32 (tasks/s) | / direct | CPU per task: remote "
+        lines += ["", "One remote worker with a deeper prefetch (prefetch multiplier 16, "
+                  "against Celery's 4 above):", "",
+                  "| Workload | multiplier 16 (tasks/s) | / direct | CPU per task: remote "
                   "worker | its gateway |", "| --- | --- | --- | --- | --- |"]
         for row in gw["summary"]:
             cpu = row["cpu_ms"]["gateway32"]
             lines.append(f"| {row['label']} | {num(row['deep'])} | "
                          f"{ratio(row['deep_ratio'])} | {cpu['worker']:.2f} | "
                          f"{cpu['gateway']:.2f} |")
+    from benchmarks import gateway_cycle
+
+    gateway_cycle.markdown(gw["summary"], lines, gw.get("concurrency", 2))
     renew = gw["renew"]
     lines += ["", f"Renewal round trip, {renew['clients']} workers renewing once every "
               f"{renew['every_s']:g} s for {renew['seconds']:g} s:", "",
