@@ -89,8 +89,11 @@ def _gateway_store(w: Any, settings: Settings) -> tuple[Settings, Any]:
     if len(queues) != 1:
         raise InvalidConfig(f"pulse_gateway_url: a gateway worker consumes exactly one queue "
                             f"(-Q NAME), not {queues}", setting="pulse_gateway_url")
+    # As a direct worker (and Celery): its prefetch of tasks waiting for a process, besides
+    # the one running in each process (an instance's capacity counts both).
     multiplier = int(w.app.conf.worker_prefetch_multiplier or 0)
-    capacity = min(256, max(1, w.concurrency * multiplier if multiplier > 0 else w.concurrency))
+    capacity = min(256, max(1, w.concurrency * (multiplier + 1) if multiplier > 0
+                            else w.concurrency))
     handlers = [name for name in w.app.tasks if not name.startswith("celery.")]
     client = connect_worker(settings, queues[0], capacity, handlers)
     ttl = min(settings.lease_ttl, client.lease_duration)

@@ -139,6 +139,9 @@ def client_for(url: str) -> GatewayClient | None:
 class GatewayStore(RegistryStore, ClaimStore):
     """The store a gateway worker's keeper and registry use (see the module's rules)."""
 
+    #: A reservation is the gateway's assignment, looked up here: no round trip.
+    local_reservations = True
+
     def __init__(self, client: GatewayClient, url: str) -> None:
         self.client = client
         self.url = mask_url(url)  # shown (inspect stats), never used to connect

@@ -91,6 +91,20 @@ class Exchanger:
             self.exchange([], [op], [])
         return failure
 
+    def reserve_now(self, op: Op) -> None:
+        """Answer a reservation without an exchange, where the store's reservations ask
+        no server (:attr:`~celery_pulse.store.base.ClaimStore.local_reservations`): a
+        gateway worker's reservation waited, behind the exchange in flight and the
+        next, for two of its gateway's round trips (10 ms of a no-op's 40)."""
+        sent = self.monotonic()
+        try:
+            reserved = self.store.reserve(self.holder, [op.item], self.ttl)
+        except Exception as exc:
+            self.answer_failure(exc, [op], [], sent)
+            return
+        self.table.note_grants(reserved)
+        self._answer([op], reserved, sent)
+
     def count(self, *kinds: list[Op]) -> None:
         self.counters.exchanges += 1
         self.counters.exchanged_ops += sum(len(ops) for ops in kinds)

@@ -140,8 +140,13 @@ class LeaseKeeper(ClaimTable):
         (or on the event loop, if the loop committer sent it).
 
         ``urgent``: a free pool process waits for it (else it may linger for company).
+        A store whose reservations are local answers it at once, on the caller's thread.
         """
-        self._submit(Op("reserve", request, callback, urgent))
+        op = Op("reserve", request, callback, urgent)
+        if self.store.local_reservations:
+            self.exchanger.reserve_now(op)
+        else:
+            self._submit(op)
 
     def submit_start(self, claim: LocalClaim, callback: StartCallback | None,
                      urgent: bool = True) -> None:

@@ -105,6 +105,10 @@ class ClaimStore(abc.ABC):
     #: :meth:`begin_exchange` sends exchanges without blocking: the worker then runs its
     #: hot path on its event loop (:mod:`celery_pulse.loop_commit`).
     nonblocking_exchange: bool = False
+    #: :meth:`reserve` asks nothing of a server (a gateway worker's: its gateway reserved
+    #: the delivery before sending it): a reservation is answered where it is submitted,
+    #: never queued behind an exchange in flight.
+    local_reservations: bool = False
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest],

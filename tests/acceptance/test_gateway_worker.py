@@ -157,3 +157,32 @@ def test_a_task_ignoring_lease_lost_is_hard_stopped_and_the_remote_worker_goes_o
     assert client_app.send_task("gatewayapp.add", (1, 2), queue=env.queue).get(
         timeout=30)["sum"] == 3
     assert claim_of(gateway_store, result.id).holder == "thief"  # untouched by the stale one
+
+
+def test_a_remote_worker_holds_its_prefetch_besides_what_runs_as_a_direct_worker_does(
+        env: Env, client_app: Celery, gateway_store: SqlStore, remote: Callable[..., Worker]
+) -> None:
+    """``-c 1`` with a prefetch multiplier of 2: one task running and two waiting for the
+    process, as a direct worker (and Celery, whose prefetch counts the messages not yet
+    started) holds them; the instance declares a capacity of 3 and the rest stay in the
+    broker. (It declared 2 before: a remote worker held a fifth less than a direct one
+    at Celery's defaults, and its throughput is its capacity over the time a slot is
+    held: docs/benchmarks.md section 10.)"""
+    remote("remote-cap@edge", concurrency=1,
+           conf={"worker_prefetch_multiplier": 2}).wait_ready(60)
+    with gateway_store.engine.connect() as conn:
+        [capacity] = conn.execute(sa.text("SELECT capacity FROM pulse_gateway_instances "
+                                          "WHERE session_id IS NOT NULL")).scalars().all()
+    assert capacity == 3
+    first, _ = start_hold(client_app, env, 60, "cap0.txt")
+    later = [client_app.send_task("gatewayapp.hold", (60, str(env.tmp / f"cap{i}.txt")),
+                                  queue=env.queue) for i in range(1, 6)]
+    ids = {first.id, *(r.id for r in later)}
+
+    def held() -> list[str] | None:
+        states = sorted(c.state for c in gateway_store.list_claims() if c.task_id in ids)
+        return states if len(states) >= 3 else None
+
+    assert wait_for(held, 30, "three tasks held by the remote worker") == [
+        "reserved", "reserved", "running"]
+    assert sum((env.tmp / f"cap{i}.txt").exists() for i in range(6)) == 1

@@ -180,6 +180,34 @@ def test_what_queues_up_during_an_exchange_goes_out_together_in_the_next(
     assert waiting.state == RUNNING
 
 
+def test_a_store_whose_reservations_are_local_answers_one_at_once_beside_an_exchange(
+        store: MemoryStore) -> None:
+    """A gateway worker's reservation is its gateway's assignment, looked up in the
+    worker: it is answered on the submitting thread, never queued behind an exchange
+    in flight (which waits for the gateway), and no exchange carries it."""
+    spy = Spy(store)
+    spy.local_reservations = True
+    keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
+                         listener=Listener())
+    done = keeper.add(reserve(store, "done", "p"), keeper.monotonic(), 0, False)
+    answers: dict[str, Any] = {}
+    keeper.start()
+    try:
+        keeper.submit_complete(done, "succeeded", None, lambda r, _c: answers.update(done=r))
+        assert spy.entered.wait(10)  # the completion's exchange is in flight, held
+        here = threading.get_ident()
+        keeper.submit_reserve(request("new"), lambda r, _sent: answers.update(
+            new=r, thread=threading.get_ident()), urgent=False)
+        assert isinstance(answers["new"], Grant) and answers["thread"] == here
+        assert "done" not in answers
+        spy.go.set()
+        wait_for(lambda: "done" in answers, 10, "the completion's answer", interval=0.005)
+    finally:
+        spy.go.set()
+        keeper.stop()
+    assert spy.calls == [(["done"], [], [])]
+
+
 def test_a_failed_exchange_answers_its_reservations_and_keeps_its_completions(
         store: MemoryStore) -> None:
     spy = Spy(store, fail_first=True)
