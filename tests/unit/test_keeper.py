@@ -144,6 +144,13 @@ class Spy:
         return self.store.exchange(holder, ttl, completions, reserves, starts)
 
 
+def keeper_holding_done(spy: Spy) -> tuple[LeaseKeeper, LocalClaim]:
+    """A keeper on ``spy`` holding the reserved claim ``done`` (not started yet)."""
+    keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
+                         listener=Listener())
+    return keeper, keeper.add(reserve(spy.store, "done", "p"), keeper.monotonic(), 0, False)
+
+
 def request(task_id: str) -> ReserveRequest:
     message = Message(b"[[], {}, {}]", {"id": task_id}, {}, {}, "application/json", "utf-8")
     return ReserveRequest(task_id, "t", message, "review", 10, 0, None)
@@ -187,9 +194,7 @@ def test_a_store_whose_reservations_are_local_answers_one_at_once_beside_an_exch
     in flight (which waits for the gateway), and no exchange carries it."""
     spy = Spy(store)
     spy.local_reservations = True
-    keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
-                         listener=Listener())
-    done = keeper.add(reserve(store, "done", "p"), keeper.monotonic(), 0, False)
+    keeper, done = keeper_holding_done(spy)
     answers: dict[str, Any] = {}
     keeper.start()
     try:
@@ -211,9 +216,7 @@ def test_a_store_whose_reservations_are_local_answers_one_at_once_beside_an_exch
 def test_a_failed_exchange_answers_its_reservations_and_keeps_its_completions(
         store: MemoryStore) -> None:
     spy = Spy(store, fail_first=True)
-    keeper = LeaseKeeper(spy, "w1", ttl=TTL, interval=1, margin=1, grace=2,  # type: ignore[arg-type]
-                         listener=Listener())
-    done = keeper.add(reserve(store, "done", "p"), keeper.monotonic(), 0, False)
+    keeper, done = keeper_holding_done(spy)
     answers: dict[str, Any] = {}
     keeper.start()
     try:
