@@ -1,8 +1,9 @@
 """Section 10's slot cycle: how long each task holds one of its worker's slots, and where.
 
-A worker holds at most its capacity (prefetch multiplier x concurrency) tasks at once,
-from their reservation until their finish is applied. So its throughput is at most
-capacity / (the time a slot is held), whatever the CPU: Little's law. This reads that
+A worker holds at most its capacity of tasks at once (its prefetch waiting, besides one
+running in each process), each from its reservation until its finish is applied. So its
+throughput is at most capacity / (the time a slot is held), whatever the CPU: Little's
+law. This reads that
 time from the store's own record of each claim of a run (``reserved_at``,
 ``started_at``, ``finished_at``, by the store's clock), over the middle half of the run's
 claims (the steady state): the reservation to the start (for a remote worker: the
