@@ -91,7 +91,7 @@ class Exchanger:
             self.exchange([], [op], [])
         return failure
 
-    def reserve_now(self, op: Op) -> None:
+    def reserve_locally(self, op: Op) -> None:
         """Answer a reservation without an exchange, where the store's reservations ask
         no server (:attr:`~celery_pulse.store.base.ClaimStore.local_reservations`): a
         gateway worker's reservation waited, behind the exchange in flight and the

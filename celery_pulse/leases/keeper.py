@@ -144,7 +144,7 @@ class LeaseKeeper(ClaimTable):
         """
         op = Op("reserve", request, callback, urgent)
         if self.store.local_reservations:
-            self.exchanger.reserve_now(op)
+            self.exchanger.reserve_locally(op)
         else:
             self._submit(op)
 
