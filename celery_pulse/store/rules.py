@@ -158,6 +158,16 @@ def rate_windows(wanted: Mapping[str, Mapping[str, Permit]]) -> dict[str, float]
     return out
 
 
+def rate_wants(wanted: Mapping[str, Mapping[str, Permit]]) -> dict[str, int]:
+    """How many of a batch's starts ask for each rate key."""
+    out: dict[str, int] = {}
+    for keyed in wanted.values():
+        for key, permit in keyed.items():
+            if permit.window is not None:
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
 def split_by_permits(permits: Mapping[str, Sequence[Permit]] | None,
                      leases: Sequence[LeaseKey]) -> tuple[list[LeaseKey], list[LeaseKey]]:
     """``(leases that need permits, the others)``."""

@@ -29,7 +29,13 @@ from celery_pulse.store.base import (
     PermitUsage,
     Waiting,
 )
-from celery_pulse.store.rules import decide_permits, rate_grants, rate_retry, rate_windows
+from celery_pulse.store.rules import (
+    decide_permits,
+    rate_grants,
+    rate_retry,
+    rate_wants,
+    rate_windows,
+)
 from celery_pulse.store.sql import pooler, rates
 from celery_pulse.store.sql.claim_rows import CHUNK
 from celery_pulse.store.sql.connections import Connections
@@ -46,12 +52,15 @@ def lock_keys(conn: sa.Connection, dialect: Dialect, limits: Mapping[str, int],
               windows: Mapping[str, float] | None = None) -> None:
     """Create or lock each key's row, in key order (two starts never deadlock)."""
     now = dialect.now()
+    windows = windows or {}
     for key in sorted(limits):
+        # A rate key's updated_at moves with its buckets, after the batch (.rate_bound).
+        update = ("max_running", "window_s") if key in windows else (
+            "max_running", "updated_at", "window_s")
         conn.execute(dialect.upsert(permits, {"key": key, "max_running": limits[key],
                                               "updated_at": now,
-                                              "window_s": (windows or {}).get(key)},
-                                    [permits.c.key], ("max_running", "updated_at",
-                                                      "window_s")))
+                                              "window_s": windows.get(key)},
+                                    [permits.c.key], update))
 
 
 def holders(conn: sa.Connection, keys: Sequence[str]) -> dict[str, int]:
@@ -113,8 +122,8 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
     lock_keys(conn, dialect, limits, windows)
     drop_past(conn, [k for k in limits if k not in windows])
     used = holders(conn, [k for k in limits if k not in windows])
-    counts, oldest = rates.counted(conn, dialect, windows)
-    used.update(counts)
+    tally = rates.counted(conn, dialect, windows, rate_wants(wanted))
+    used.update(tally.used)
     live = {(task_id, int(epoch)) for task_id, epoch in conn.execute(
         sa.select(claims.c.task_id, claims.c.epoch).where(
             claims.c.task_id.in_(list(wanted)),
@@ -130,12 +139,12 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
             state=RUNNING, started_at=now, lease_until=now + ttl))
         started = {task_id: float(until) for task_id, until in conn.execute(
             sa.select(claims.c.task_id, claims.c.lease_until).where(claims.c.task_id.in_(ids)))}
-        rates.record(conn, dialect, rate_grants(granted, wanted))
+    rates.record(conn, tally, rate_grants(granted, wanted))
     if rows:
         conn.execute(sa.delete(permit_holds).where(
             permit_holds.c.task_id.in_([lease[0] for lease in granted + waiting])))
         conn.execute(sa.insert(permit_holds), rows)
-    return started, waiting_of(waiting, wanted, used, oldest)
+    return started, waiting_of(waiting, wanted, used, tally.oldest)
 
 
 def waiting_of(waiting: Sequence[LeaseKey], wanted: Mapping[str, Mapping[str, Permit]],

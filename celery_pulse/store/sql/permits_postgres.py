@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery_pulse.store.base import RESERVED, RUNNING, LeaseKey, Permit, Waiting
-from celery_pulse.store.rules import rate_grants, rate_windows
+from celery_pulse.store.rules import rate_grants, rate_wants, rate_windows
 from celery_pulse.store.sql import rates
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.permits import decide, waiting_of, wanted_of
@@ -43,7 +43,9 @@ def statements(now: str) -> dict[str, str]:
             f"SELECT k, l, {now}, w FROM unnest(%s::text[], %s::int[], %s::float8[]) "
             "AS t(k, l, w) ORDER BY k "
             "ON CONFLICT (key) DO UPDATE SET max_running = EXCLUDED.max_running, "
-            "updated_at = EXCLUDED.updated_at, window_s = EXCLUDED.window_s"),
+            # A rate key's moves with its buckets, after the batch (.rate_bound).
+            "updated_at = CASE WHEN EXCLUDED.window_s IS NULL THEN EXCLUDED.updated_at "
+            "ELSE pulse_permits.updated_at END, window_s = EXCLUDED.window_s"),
         "drop_past": (
             "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND h.held "
             "AND NOT EXISTS "
@@ -83,7 +85,8 @@ class PermitPlan:
         self.sql = sql = statements(dialect.clock)
         self.leases, self.ttl = leases, ttl
         self.wanted, limits = wanted_of(leases, needs)
-        windows = rate_windows(self.wanted)
+        self.windows = windows = rate_windows(self.wanted)
+        self.wants = rate_wants(self.wanted)
         keys = sorted(limits)
         held_keys = [k for k in keys if k not in windows]
         ordered = sorted(leases)
@@ -94,7 +97,8 @@ class PermitPlan:
         if held_keys:  # concurrency limits: who holds them
             named += [("drop_past", (held_keys,)), ("holders", (held_keys,))]
         if windows:  # rate limits: the starts in each window
-            named += [("rate_drop", rates.pg_params(windows)), ("rate_count", (sorted(windows),))]
+            named += [("rate_drop", rates.pg_params(windows)),
+                      ("rate_count", rates.pg_count_params(windows, self.wants))]
         #: Where each statement's rows are in the first half's.
         self.at = {name: i for i, (name, _) in enumerate(named)}
         self.first: list[Statement] = [(sql[name], params) for name, params in named]
@@ -110,8 +114,9 @@ class PermitPlan:
         def of(name: str) -> list[tuple[Any, ...]]:
             return rows[self.at[name]] if name in self.at else []
         self.used = {key: int(count) for key, count in of("holders")}
-        self.used.update({key: int(count) for key, count, _ in of("rate_count")})
-        self.oldest = {key: min(0.0, float(age)) for key, _, age in of("rate_count")}
+        tally = rates.pg_tally(of("rate_count"), self.windows, self.wants)
+        self.used.update(tally.used)
+        self.oldest = tally.oldest
         asked = {(lease[0], lease[1], lease[2]) for lease in self.leases}
         live = {(task_id, int(epoch)) for task_id, epoch, token, reserved in of("live")
                 if reserved and (task_id, int(epoch), token) in asked}
@@ -120,10 +125,12 @@ class PermitPlan:
         out: list[Statement] = []
         if granted:
             out.append((sql["start"], (self.ttl, [lease[0] for lease in granted])))
+        if self.windows:
             grants = rate_grants(granted, self.wanted)
+            recorded, bounds = rates.pg_record_params(tally, grants)
             if grants:
-                out.append((sql["rate_record"], ([g[0] for g in grants], [g[1] for g in grants],
-                                                 [g[2] for g in grants])))
+                out.append((sql["rate_record"], recorded))
+            out.append((sql["rate_bound"], bounds))
         if holds:
             out.append((sql["forget"], ([lease[0] for lease in granted + waiting],)))
             out.append((sql["hold"], ([r["key"] for r in holds], [r["task_id"] for r in holds],

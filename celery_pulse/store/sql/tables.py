@@ -217,6 +217,14 @@ permits = sa.Table(
     sa.Column("updated_at", SECONDS, nullable=False),
     #: Revision 0016: a rate's window (seconds); None: a concurrency limit.
     sa.Column("window_s", SECONDS),
+    #: Revision 0018: a rate key's upper bound on its recent starts (two fixed buckets
+    #: of ``bucket_s`` seconds), trusted while ``bounded_at = updated_at``
+    #: (:mod:`celery_pulse.store.rate_bound`).
+    sa.Column("bounded_at", SECONDS),
+    sa.Column("bucket_s", SECONDS),
+    sa.Column("bucket_no", sa.BigInteger),
+    sa.Column("bucket_starts", sa.Integer),
+    sa.Column("prev_starts", sa.Integer),
     **TABLE_OPTIONS,
 )
 
