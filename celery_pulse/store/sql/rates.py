@@ -165,11 +165,15 @@ def pg_sql(now: str) -> dict[str, str]:
     """
     valid = "p.bounded_at = p.updated_at AND p.bucket_s = w.win"
     return {
+        # The keys to tidy first, at a clock read once: the rows past the window are then
+        # an index range of each (the clock itself is volatile: no index condition).
         "rate_drop": (
-            "DELETE FROM pulse_rate_starts r USING unnest(%s::text[], %s::float8[]) "
-            "AS w(key, win) JOIN pulse_permits p ON p.key = w.key "
-            f"WHERE r.key = w.key AND r.started_at <= {now} - w.win AND NOT coalesce("
-            f"{valid} AND p.bucket_no >= floor({now} / w.win), false)"),
+            f"WITH n(t) AS MATERIALIZED (SELECT {now}), d(key, cut) AS MATERIALIZED ("
+            "SELECT w.key, n.t - w.win FROM unnest(%s::text[], %s::float8[]) AS w(key, win) "
+            "CROSS JOIN n JOIN pulse_permits p ON p.key = w.key "
+            f"WHERE NOT coalesce({valid} AND p.bucket_no >= floor(n.t / w.win), false)) "
+            "DELETE FROM pulse_rate_starts r USING d "
+            "WHERE r.key = d.key AND r.started_at <= d.cut"),
         "rate_count": (
             f"WITH n(t) AS MATERIALIZED (SELECT {now}) "
             f"SELECT w.key, n.t, p.max_running, coalesce({valid}, false), p.bucket_no, "
