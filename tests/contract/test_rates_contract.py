@@ -70,9 +70,9 @@ def test_rates_and_concurrency_on_one_start_both_bind(store: Store) -> None:
 
 def test_rates_concurrent_starts_on_many_stores_never_exceed_the_rate(store: Store) -> None:
     """Four workers with stores of their own start as fast as they can under 10 per
-    0.5 s for 1.6 s: the starts the store granted, at the times it recorded, never number
-    more than 10 in any 0.5 s (less 5 ms: a claim's start time and its rate row's are two
-    reads of the store's clock in one transaction), and the window turned over."""
+    0.5 s for 1.6 s: the starts the store granted, at the times it recorded (a claim's
+    start time is the one its rate counts), never number more than 10 in any 0.5 s, and
+    the window turned over."""
     limit, window, workers = 10, 0.5, 4
     rate = Permit("rate:task:race", limit, window)
     handles = contextlib.ExitStack()
@@ -106,7 +106,7 @@ def test_rates_concurrent_starts_on_many_stores_never_exceed_the_rate(store: Sto
         handles.close()
     assert errors == []
     times = sorted(float(claim(store, task_id).started_at or 0) for task_id in granted)
-    most = max(sum(1 for t in times if s - window + 0.005 < t <= s) for s in times)
+    most = max(sum(1 for t in times if s - window < t <= s) for s in times)
     assert len(times) >= 2 * limit, times  # the window turned over at least once
     assert most <= limit, f"{most} starts within {window}s under a limit of {limit}"
 

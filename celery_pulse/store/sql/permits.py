@@ -135,8 +135,10 @@ def start(conn: sa.Connection, dialect: Dialect, holder: str,
     started: dict[str, float] = {}
     if granted:
         ids = [lease[0] for lease in granted]
+        # Under a rate, a start is at the time its batch was decided at (the time its
+        # window counts it at), its lease from now.
         conn.execute(sa.update(claims).where(claims.c.task_id.in_(ids)).values(
-            state=RUNNING, started_at=now, lease_until=now + ttl))
+            state=RUNNING, started_at=tally.now if windows else now, lease_until=now + ttl))
         started = {task_id: float(until) for task_id, until in conn.execute(
             sa.select(claims.c.task_id, claims.c.lease_until).where(claims.c.task_id.in_(ids)))}
     rates.record(conn, tally, rate_grants(granted, wanted))

@@ -45,7 +45,11 @@ def statements(now: str) -> dict[str, str]:
             "ON CONFLICT (key) DO UPDATE SET max_running = EXCLUDED.max_running, "
             # A rate key's moves with its buckets, after the batch (.rate_bound).
             "updated_at = CASE WHEN EXCLUDED.window_s IS NULL THEN EXCLUDED.updated_at "
-            "ELSE pulse_permits.updated_at END, window_s = EXCLUDED.window_s"),
+            "ELSE pulse_permits.updated_at END, window_s = EXCLUDED.window_s "
+            # Unchanged, a rate key's row is only locked (every conflicting row is), not
+            # written: it is written once, with its buckets, after the batch.
+            "WHERE EXCLUDED.window_s IS NULL OR pulse_permits.window_s IS DISTINCT FROM "
+            "EXCLUDED.window_s OR pulse_permits.max_running <> EXCLUDED.max_running"),
         "drop_past": (
             "DELETE FROM pulse_permit_holds h WHERE h.key = ANY(%s::text[]) AND h.held "
             "AND NOT EXISTS "
@@ -64,6 +68,12 @@ def statements(now: str) -> dict[str, str]:
             "ORDER BY task_id FOR UPDATE"),
         "start": (
             f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
+            f"lease_until = {now} + %s WHERE task_id = ANY(%s::text[]) "
+            "RETURNING task_id, lease_until"),
+        # Under a rate, a start is at the time its batch was decided at (the time its
+        # window counts it at), its lease from now.
+        "start_at": (
+            f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = %s, "
             f"lease_until = {now} + %s WHERE task_id = ANY(%s::text[]) "
             "RETURNING task_id, lease_until"),
         "forget": "DELETE FROM pulse_permit_holds WHERE task_id = ANY(%s::text[])",
@@ -123,8 +133,11 @@ class PermitPlan:
         granted, waiting, holds = decide(self.leases, self.wanted, self.used, live)
         self.granted, self.waiting = granted, waiting
         out: list[Statement] = []
-        if granted:
-            out.append((sql["start"], (self.ttl, [lease[0] for lease in granted])))
+        ids = [lease[0] for lease in granted]
+        if granted and self.windows:
+            out.append((sql["start_at"], (tally.now, self.ttl, ids)))
+        elif granted:
+            out.append((sql["start"], (self.ttl, ids)))
         if self.windows:
             grants = rate_grants(granted, self.wanted)
             recorded, bounds = rates.pg_record_params(tally, grants)
