@@ -7,7 +7,10 @@ one after another in each repeat:
 
 * ``unlimited``: no limit (the baseline);
 * ``rate-never-binds``: ``pulse_rate_limits`` of 100,000 a second, which never binds:
-  the pure cost of counting and recording each start in the store;
+  the pure cost of deciding and recording each start in the store;
+* ``rate-hour-never-binds``: 10,000,000 an hour, which never binds either, over a window
+  that holds every start of the run (a rate decided by counting its window would read
+  them all at each start; decided on the key's bound, it costs what a short window does);
 * ``rate-binds``: 200 a second (no-op) or 50 a second (10 ms), below what the worker
   does unlimited: the achieved rate against the limit, and each start's delay past the
   moment the window let it start (start ``k`` may come one window after start
@@ -29,8 +32,9 @@ from benchmarks.permits import Workload
 
 #: Variant -> (count, per) of the rate, per workload key prefix (None: unlimited).
 NEVER = "100000/s"
+NEVER_HOUR = "10000000/h"
 BINDS = {"noop": (200, "s"), "sleep": (50, "s")}
-VARIANTS = ("unlimited", "rate-never-binds", "rate-binds")
+VARIANTS = ("unlimited", "rate-never-binds", "rate-hour-never-binds", "rate-binds")
 
 
 def _conf(variant: str, workload: Workload) -> dict[str, Any] | None:
@@ -38,6 +42,8 @@ def _conf(variant: str, workload: Workload) -> dict[str, Any] | None:
         return None
     if variant == "rate-never-binds":
         return {"pulse_rate_limits": {workload.task: NEVER}}
+    if variant == "rate-hour-never-binds":
+        return {"pulse_rate_limits": {workload.task: NEVER_HOUR}}
     count, per = BINDS[workload.key.split("-")[0]]
     return {"pulse_rate_limits": {workload.task: f"{count}/{per}"}}
 
@@ -77,7 +83,8 @@ def run(scratch: infra.Scratch, quick: bool) -> dict[str, Any]:
                              if result.get("delay_ms") else ""))
                 runs.append(result)
     return {"runs": runs, "summary": summarise(runs), "repeats": repeats,
-            "concurrency": permits.CONCURRENCY, "never": NEVER, "binds": BINDS,
+            "concurrency": permits.CONCURRENCY, "never": NEVER, "never_hour": NEVER_HOUR,
+            "binds": BINDS,
             "workloads": {w.key: w.label for w in permits.workloads(quick)}}
 
 
@@ -88,6 +95,8 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = {r["repeat"]: r["rate"] for r in mine if r["variant"] == "unlimited"}
         for variant in VARIANTS:
             rows = [r for r in mine if r["variant"] == variant]
+            if not rows:  # (reports from before the hour-long variant)
+                continue
             delays = [r["delay_ms"] for r in rows if r.get("delay_ms")]
             out.append({
                 "workload": workload, "variant": variant, "n": rows[0]["n"],

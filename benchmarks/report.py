@@ -1426,7 +1426,8 @@ def _md_rates(rt: dict[str, Any], lines: list[str]) -> None:
         cpu = r["cpu_ms_per_task"]
         variant = (f"rate {r['limit_per_s']}/s (binds)" if r["variant"] == "rate-binds"
                    else {"unlimited": "unlimited", "rate-never-binds":
-                         f"rate {rt['never']} (never binds)"}[r["variant"]])
+                         f"rate {rt['never']} (never binds)", "rate-hour-never-binds":
+                         f"rate {rt.get('never_hour')} (never binds)"}[r["variant"]])
         delay = ("—" if r["delay_ms"] is None
                  else f"{r['delay_ms'][0]:.1f} / {r['delay_ms'][1]:.1f} ms")
         lines.append(f"| {rt['workloads'][r['workload']]} | {variant} | {num(r['rate'])} | "
