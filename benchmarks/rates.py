@@ -2,7 +2,7 @@
 one runs.
 
 One ``-P pulse -c 2`` worker (RabbitMQ, a fresh PostgreSQL store per run) works through
-N pre-published tasks of one kind, as the permits section does, in three variants run
+N pre-published tasks of one kind, as the permits section does, in four variants run
 one after another in each repeat:
 
 * ``unlimited``: no limit (the baseline);
