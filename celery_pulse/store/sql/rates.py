@@ -159,8 +159,9 @@ def purge(conn: sa.Connection, dialect: Dialect, longest: float = LONGEST_WINDOW
 def pg_sql(now: str) -> dict[str, str]:
     """The same in plain PostgreSQL, for the pipelined start (arrays for any batch).
 
-    ``rate_count`` reads the clock once (``n.t``, a materialized CTE) and gives each key's buckets; it counts
-    the window only where they can't tell (``NOT s.skip``: a one-time filter, no scan).
+    ``rate_count`` reads the clock once (``n.t``, a materialized CTE) and gives each
+    key's buckets; it counts the window only where they can't tell (``NOT s.skip``: a
+    one-time filter, no scan).
     ``rate_drop`` deletes past rows only where :func:`.rate_bound.stale_rows` says so.
     """
     valid = "p.bounded_at = p.updated_at AND p.bucket_s = w.win"
@@ -222,10 +223,13 @@ def pg_tally(rows: Sequence[Sequence[Any]], windows: Mapping[str, float],
         tally.now = now = float(now)
         buckets = tally.buckets[key] = buckets_of(valid, number, starts, previous)
         if skip:
-            # The store found room by the bound; decided again here from the same row
-            # and clock, and if the two ever disagreed, the key counts as full.
-            fits = skips_count(buckets, now, window, wanted.get(key, 0), int(limit))
-            tally.used[key] = (bound(buckets, now, window) or 0) if fits else int(limit)
+            # The store found room by the bound; the bound is taken again here from the
+            # same row and clock (were the two ever to disagree, the key counts as full
+            # and its waiters ask again at once, to be counted).
+            most = bound(buckets, now, window)
+            tally.used[key] = int(limit) if most is None else most
+            if most is None:
+                tally.oldest[key] = -window
             continue
         tally.used[key] = int(total)
         tally.counted[key] = (int(total), int(newer), None if last is None else float(last))
