@@ -72,6 +72,20 @@ def _killed_by_cancel(request: Any, exc: Any) -> bool:
         exc, (Terminated, SystemExit, KeyboardInterrupt))
 
 
+def job_over(claim: LocalClaim) -> bool:
+    """Whether the pool has had the claim's job's result already, so the process that ran
+    it may be running another job now (a hard stop must not kill that one by its pid).
+
+    The pool keeps a job's ``ApplyResult`` until its result arrives: one that is ready,
+    or already dropped, is over. A claim with none (never handed over) is not.
+    """
+    ref = getattr(claim.request, "_apply_result", None)
+    if ref is None:
+        return False
+    applied = ref()
+    return applied is None or bool(applied.ready())
+
+
 class RequestEnds:
     """How Celery ended a request, turned into the end of its claim."""
 

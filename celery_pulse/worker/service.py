@@ -39,7 +39,7 @@ from celery_pulse.worker.ahead import StartAhead
 from celery_pulse.worker.chords import ChordFinisher
 from celery_pulse.worker.cluster_metrics import ClusterReader, exporter_for
 from celery_pulse.worker.events import WorkerEvents
-from celery_pulse.worker.exits import RequestEnds
+from celery_pulse.worker.exits import RequestEnds, job_over
 from celery_pulse.worker.gate import ConsumeGate
 from celery_pulse.worker.intake import Intake
 from celery_pulse.worker.loop import LoopCaller
@@ -321,7 +321,7 @@ class PulseWorker:
                   reason=claim.lost_reason, running=claim.pid is not None)
 
     def on_hard_stop(self, claim: LocalClaim) -> None:
-        if claim.pid is not None:
+        if claim.pid is not None and not job_over(claim):
             self._signal(claim.pid, signal.SIGKILL)
 
     @staticmethod
