@@ -5,9 +5,9 @@ The watchdog hard-stops a lost claim by its process id once the grace has passed
 claim whose body ended (LeaseLost raised in time) but whose end is not recorded yet (the
 store down: it stays in the table, its pid set) would otherwise have that process killed
 while it runs another task, which then ends ``failed`` with ``WorkerLostError`` under a
-lease it holds (a fault-suite failover run caught it, and the docs' store-outage
-example: its re-dispatched attempt killed on the same process). Real processes here,
-and billiard's own ``ApplyResult``, as the pool keeps it.
+lease it holds (read as the cause of a fault-suite failover run's one failed task, and of
+the docs' store-outage example's re-dispatched attempt never succeeding). Real processes
+here, and billiard's own ``ApplyResult``, as the pool keeps it.
 """
 
 from __future__ import annotations
