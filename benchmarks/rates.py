@@ -95,8 +95,6 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = {r["repeat"]: r["rate"] for r in mine if r["variant"] == "unlimited"}
         for variant in VARIANTS:
             rows = [r for r in mine if r["variant"] == variant]
-            if not rows:  # (reports from before the hour-long variant)
-                continue
             delays = [r["delay_ms"] for r in rows if r.get("delay_ms")]
             out.append({
                 "workload": workload, "variant": variant, "n": rows[0]["n"],

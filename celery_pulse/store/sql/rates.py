@@ -60,6 +60,24 @@ class Tally:
     #: Keys counted exactly: (the window's starts, those in the current bucket, newest).
     counted: dict[str, tuple[int, int, float | None]]
 
+    def take_bound(self, key: str, buckets: Buckets, window: float, limit: int) -> None:
+        """The key's window as its buckets bound it (the batch fits under ``limit``).
+        Were the store's SQL and this ever to disagree that it does, the key counts as
+        full and its waiters ask again at once, to be counted."""
+        most = bound(buckets, self.now, window)
+        self.used[key] = limit if most is None else most
+        if most is None:
+            self.oldest[key] = -window
+
+    def take_count(self, key: str, total: int, newer: int | None, first: float | None,
+                   last: float | None) -> None:
+        """The key's window as counted exactly: its starts, those in the current bucket,
+        and its oldest and newest start's times."""
+        self.used[key] = int(total)
+        self.counted[key] = (int(total), int(newer or 0), None if last is None else float(last))
+        if first is not None:
+            self.oldest[key] = min(0.0, float(first) - self.now)
+
 
 def buckets_of(valid: Any, number: Any, starts: Any, previous: Any) -> Buckets:
     return Buckets(bool(valid), None if number is None else int(number), int(starts or 0),
@@ -87,19 +105,14 @@ def counted(conn: sa.Connection, dialect: Dialect, windows: Mapping[str, float],
             conn.execute(sa.delete(rate_starts).where(rate_starts.c.key == key,
                                                       rate_starts.c.started_at <= now - window))
         if skips_count(buckets, now, window, wanted.get(key, 0), int(limit)):
-            tally.used[key] = bound(buckets, now, window) or 0
+            tally.take_bound(key, buckets, window, int(limit))
             continue
         newer = sa.case((rate_starts.c.started_at >= bucket_of(now, window) * window, 1),
                         else_=0)
-        total, in_bucket, first, last = conn.execute(
+        tally.take_count(key, *conn.execute(
             sa.select(sa.func.count(), sa.func.sum(newer), sa.func.min(rate_starts.c.started_at),
                       sa.func.max(rate_starts.c.started_at))
-            .where(rate_starts.c.key == key, rate_starts.c.started_at > now - window)).one()
-        tally.used[key] = int(total)
-        tally.counted[key] = (int(total), int(in_bucket or 0),
-                              None if last is None else float(last))
-        if first is not None:
-            tally.oldest[key] = min(0.0, float(first) - now)
+            .where(rate_starts.c.key == key, rate_starts.c.started_at > now - window)).one())
     return tally
 
 
@@ -178,7 +191,7 @@ def pg_sql(now: str) -> dict[str, str]:
         "rate_count": (
             f"WITH n(t) AS MATERIALIZED (SELECT {now}) "
             f"SELECT w.key, n.t, p.max_running, coalesce({valid}, false), p.bucket_no, "
-            "p.bucket_starts, p.prev_starts, s.skip, c.total, c.newer, c.first - n.t, c.last "
+            "p.bucket_starts, p.prev_starts, s.skip, c.total, c.newer, c.first, c.last "
             "FROM unnest(%s::text[], %s::float8[], %s::int[]) AS w(key, win, want) "
             "CROSS JOIN n JOIN pulse_permits p ON p.key = w.key "
             "CROSS JOIN LATERAL (SELECT floor(n.t / w.win)) AS k(b) "
@@ -209,8 +222,7 @@ def pg_params(windows: Mapping[str, float]) -> tuple[Any, ...]:
 
 def pg_count_params(windows: Mapping[str, float], wanted: Mapping[str, int]
                     ) -> tuple[Any, ...]:
-    keys = sorted(windows)
-    return keys, [windows[k] for k in keys], [wanted.get(k, 0) for k in keys]
+    return (*pg_params(windows), [wanted.get(k, 0) for k in sorted(windows)])
 
 
 def pg_tally(rows: Sequence[Sequence[Any]], windows: Mapping[str, float],
@@ -219,22 +231,12 @@ def pg_tally(rows: Sequence[Sequence[Any]], windows: Mapping[str, float],
     tally = Tally(0.0, windows, {}, {}, {}, {})
     for (key, now, limit, valid, number, starts, previous, skip, total, newer, first,
          last) in rows:
-        window = windows[key]
-        tally.now = now = float(now)
+        tally.now = float(now)
         buckets = tally.buckets[key] = buckets_of(valid, number, starts, previous)
-        if skip:
-            # The store found room by the bound; the bound is taken again here from the
-            # same row and clock (were the two ever to disagree, the key counts as full
-            # and its waiters ask again at once, to be counted).
-            most = bound(buckets, now, window)
-            tally.used[key] = int(limit) if most is None else most
-            if most is None:
-                tally.oldest[key] = -window
-            continue
-        tally.used[key] = int(total)
-        tally.counted[key] = (int(total), int(newer), None if last is None else float(last))
-        if first is not None:
-            tally.oldest[key] = min(0.0, float(first))
+        if skip:  # the store found room by the bound: taken again here, same row and clock
+            tally.take_bound(key, buckets, windows[key], int(limit))
+        else:
+            tally.take_count(key, total, newer, first, last)
     return tally
 
 
