@@ -54,3 +54,10 @@ def policy_for(task: Any, default: str | None) -> str:
     if getattr(task, "acks_late", False) or getattr(task, "pulse_idempotent", False):
         return "redispatch"
     return "review"
+
+
+def mark_redelivered(message: Any) -> None:
+    """Say the delivery came before (a later attempt), as a broker's requeue would."""
+    info = getattr(message, "delivery_info", None)
+    if isinstance(info, dict):
+        info["redelivered"] = True

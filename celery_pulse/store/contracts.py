@@ -109,6 +109,10 @@ class ClaimStore(abc.ABC):
     #: the delivery before sending it): a reservation is answered where it is submitted,
     #: never queued behind an exchange in flight.
     local_reservations: bool = False
+    #: :meth:`exchange` takes the permits of a reservation asked to ``start``
+    #: (:attr:`ReserveRequest.permits`) in the reservation's own transaction: a limited
+    #: task then starts as a plain one does, with no start of its own.
+    folds_permits: bool = False
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest],

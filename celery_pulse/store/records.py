@@ -112,6 +112,16 @@ class ReserveRequest:
     #: Grant it as ``running`` at once: its job goes straight to a free pool process,
     #: so the start is folded into the reservation (one statement instead of two).
     start: bool = False
+    #: With ``start``: the permits that start needs. Only a store that
+    #: :attr:`~celery_pulse.store.contracts.ClaimStore.folds_permits` takes them in the
+    #: reservation's transaction (granted ``running`` if they are free, else reserved);
+    #: any other reserves it, and the worker starts it with its permits as usual.
+    permits: tuple[Permit, ...] = ()
+
+    @property
+    def starts_now(self) -> bool:
+        """Granted as ``running`` by the reservation itself (no permits to take)."""
+        return self.start and not self.permits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -29,10 +29,11 @@ Everything here runs on the consumer's event loop.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_pulse.leases import LOST, RESERVED, RUNNING, WAITING, LeaseKeeper, LocalClaim
+from celery_pulse.store.base import Permit
 from celery_pulse.worker.loop import LoopCaller
 
 #: Seconds: how long a job started ahead may expect to wait for its process. Starts go
@@ -52,7 +53,8 @@ class StartAhead:
 
     def __init__(self, keeper: LeaseKeeper, loop: Callable[[], LoopCaller], concurrency: int,
                  hand_over: Callable[[LocalClaim, Any, Any], Any],
-                 waited_for: Callable[[LocalClaim], bool] = lambda _claim: False) -> None:
+                 waited_for: Callable[[Sequence[Permit]], bool] = lambda _permits: False
+                 ) -> None:
         self.keeper = keeper
         self._loop = loop
         self.concurrency = max(1, concurrency)
@@ -64,7 +66,7 @@ class StartAhead:
         self.ahead: set[LocalClaim] = set()
         #: Reservations in flight that asked to be granted as running.
         self.folding = 0
-        #: ``waited_for(claim)``: tasks of this worker wait for one of its permit keys.
+        #: ``waited_for(permits)``: tasks of this worker wait for one of their keys.
         self.waited_for = waited_for
         #: Starts ahead of tasks under a limit that got their permits (worker stats).
         self.limited_starts = 0
@@ -101,6 +103,21 @@ class StartAhead:
         self.folding += start
         return start
 
+    def fold_with(self, permits: tuple[Permit, ...] | None) -> tuple[Permit, ...]:
+        """The permits a new delivery with a free process takes in its reservation
+        (none: it asks for them with its process): known before its body is read
+        (``permits`` None: a key function makes them depend on it) and
+        :meth:`may_take`."""
+        return permits if permits and self.may_take(permits) else ()
+
+    def granted(self, claim: LocalClaim, permits: tuple[Permit, ...], started: bool) -> None:
+        """A reservation came back granted; if it asked to start with ``permits``, they
+        are the claim's, and a start that found one taken blocks its keys here."""
+        if permits:
+            claim.permits = permits
+            if not started:
+                self.refused(claim)
+
     def settled(self, claim: LocalClaim | None, folded: bool, may_wait: bool) -> None:
         """A reservation came back and Celery has the request (``claim`` None: refused).
 
@@ -124,7 +141,7 @@ class StartAhead:
             if (claim.state != RESERVED or claim.applied or claim.starting
                     or self.keeper.get(claim.task_id) is not claim):
                 continue  # gone to the pool, started, ended or lost meanwhile
-            if claim.permits and (self.waited_for(claim) or self._blocked(claim) or any(
+            if claim.permits and (not self.may_take(claim.permits) or any(
                     self.flying[p.key] >= self.allowed.get(p.key, 1) for p in claim.permits)):
                 continue  # it asks with its process (behind those waiting)
             for permit in claim.permits or ():
@@ -136,10 +153,18 @@ class StartAhead:
         if len(self.queued) > 4 * self.concurrency and not self.short:
             self.queued.clear()  # jobs got long: they start when their process is free
 
-    def _blocked(self, claim: LocalClaim) -> bool:
-        """Whether a start ahead of one of ``claim``'s keys found no permit, and the
-        claim it was for is still here waiting to ask with its process."""
-        for permit in claim.permits or ():
+    def may_take(self, permits: Sequence[Permit]) -> bool:
+        """Whether a start may ask for ``permits`` before its process does: no task of
+        this worker waits for one of their keys (it would jump their line), and no start
+        ahead of (or folded with) one of them found it taken, its claim still here."""
+        return not self.waited_for(permits) and not self._blocked(permits)
+
+    def refused(self, claim: LocalClaim) -> None:
+        """A start of ``claim`` ahead of its process found a permit taken."""
+        self.blocked.update((p.key, claim) for p in claim.permits or ())
+
+    def _blocked(self, permits: Sequence[Permit]) -> bool:
+        for permit in permits:
             other = self.blocked.get(permit.key)
             if other is None:
                 continue
@@ -163,7 +188,7 @@ class StartAhead:
         elif result is not True:
             self.ahead.discard(claim)  # not started: it starts when its process is free
             if result == WAITING:
-                self.blocked.update((p.key, claim) for p in claim.permits or ())
+                self.refused(claim)
         self.pump()
 
     def _limited_answer(self, claim: LocalClaim, result: Any) -> None:

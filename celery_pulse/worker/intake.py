@@ -29,7 +29,7 @@ from typing import Any
 
 from celery_pulse.errors import Contended, PulseError, Unstorable
 from celery_pulse.leases import LocalClaim
-from celery_pulse.messages import capture, policy_for, publication_of
+from celery_pulse.messages import capture, mark_redelivered, policy_for, publication_of
 from celery_pulse.store.base import Grant, Refusal, ReserveRequest
 from celery_pulse.worker import screen
 from celery_pulse.worker.end_waiters import EndWaiters
@@ -50,12 +50,6 @@ logger = logging.getLogger("celery_pulse.bootsteps.intake")
 
 #: The consume gate's reason while over the prefetch limit (brokers without holding).
 PREFETCH_LIMIT = "prefetch limit"
-
-
-def _mark_redelivered(message: Any) -> None:
-    info = getattr(message, "delivery_info", None)
-    if isinstance(info, dict):
-        info["redelivered"] = True
 
 
 class Intake:
@@ -160,17 +154,20 @@ class Intake:
                 # and stop consuming until there is room again.
                 self.paused_at_limit = True
                 self.gate.close(PREFETCH_LIMIT)
-            # A limited task starts with its permits: never folded into its reservation;
-            # started ahead (with them) only when no process is free for it (.ahead).
+            # A limited task starts with its permits: folded into its reservation with
+            # them when a process is free (if the store can, .ahead), else started ahead
+            # with them only when no process is free for it.
             routing_key = (message.delivery_info or {}).get("routing_key")
             limited = bool(self.pulse.rules.declared
                            and self.pulse.rules.limited(task, routing_key))
             may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None)
             free = may_wait and self._free_process()
-            start = may_wait and not limited and bool(self.pulse.ahead.fold(free))
+            permits = self.pulse.ahead.fold_with(self.pulse.rules.fixed_needs(
+                task, routing_key)) if limited and free and self.keeper.store.folds_permits else ()
+            start = may_wait and (not limited or bool(permits)) and self.pulse.ahead.fold(free)
             may_wait = may_wait and not (limited and free)
             request = ReserveRequest(task_id, task.name, capture(message), policy,
-                                     max_attempts, retries, publication, start)
+                                     max_attempts, retries, publication, start, permits)
             # Lingering for company pays only under load: the first of a burst goes at
             # once, like one a free process waits for; the rest batch up behind it.
             urgent = free or not self.pending
@@ -314,11 +311,12 @@ class Intake:
                                         publication=request.publication,
                                         message=request.message)
                 self.keeper.counters.reserved += 1
+                self.pulse.ahead.granted(claim, request.permits, result.started)
                 self.pulse.ack(message)
                 if result.attempts > 1:
                     # A later attempt of this publication (requeued or recovered): it was
                     # delivered before, as a broker's requeue would say.
-                    _mark_redelivered(message)
+                    mark_redelivered(message)
                 self._hand_to_celery(claim, inner, message, body, callbacks)
             elif isinstance(result, Refusal):
                 self.health.answered()

@@ -14,10 +14,11 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_pulse.leases import LocalClaim
+from celery_pulse.store.base import Permit
 from celery_pulse.worker.loop import LoopCaller
 
 # Logger name kept from before the move (operators' logging configurations name it).
@@ -69,10 +70,10 @@ class PermitWaits:
     def _group(claim: LocalClaim) -> tuple[str, ...]:
         return tuple(sorted(p.key for p in claim.permits or ()))
 
-    def waiting_for(self, claim: LocalClaim) -> bool:
-        """Whether tasks of this worker wait for one of ``claim``'s permit keys (a start
-        of it ahead of them would jump their line)."""
-        keys = {p.key for p in claim.permits or ()}
+    def waiting_for(self, permits: Sequence[Permit]) -> bool:
+        """Whether tasks of this worker wait for one of these permits' keys (a start
+        needing them ahead of those tasks would jump their line)."""
+        keys = {p.key for p in permits}
         return any(keys.intersection(group_keys) for group_keys in self.groups)
 
     def by_key(self) -> dict[str, int]:

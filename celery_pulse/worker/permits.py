@@ -70,6 +70,7 @@ class PermitRules:
         self.declared = bool(limits) or bool(rates)
         #: Some rate limit is declared.
         self.rated = bool(rates)
+        self._fixed: dict[tuple[str, str | None], tuple[Permit, ...] | None] = {}
 
     @classmethod
     def for_app(cls, app: Any, limits: Mapping[str, int],
@@ -142,6 +143,17 @@ class PermitRules:
             logger.exception("pulse: %s of %s failed: the task waits for the unpartitioned "
                              "limit instead", option, task.name)
             return base
+
+    def fixed_needs(self, task: Any, routing_key: str | None) -> tuple[Permit, ...] | None:
+        """The permits every request of ``task`` by this routing key needs, known before
+        its body is read (so its start can be folded into its reservation); None where
+        a key function makes them depend on the arguments."""
+        cache = (task.name, routing_key)
+        if cache not in self._fixed:
+            keyed = (_keyer(task) is not None
+                     or _keyer(task, "pulse_rate_limit_key") is not None)
+            self._fixed[cache] = None if keyed else self.needs(task, (), {}, routing_key)
+        return self._fixed[cache]
 
     def needs(self, task: Any, args: Any, kwargs: Any, routing_key: str | None
               ) -> tuple[Permit, ...]:

@@ -94,8 +94,8 @@ class PulseWorker:
                                   interval=settings.renew_interval,
                                   margin=settings.safety_margin, grace=settings.revoke_grace,
                                   listener=self, checkpoints=self.table.checkpoints)
-        self.ahead = StartAhead(self.keeper, lambda: self.loop, concurrency,
-                                lambda *_args: None, lambda claim: self.waits.waiting_for(claim))
+        self.ahead = StartAhead(self.keeper, lambda: self.loop, concurrency, lambda *_: None,
+                                lambda permits: self.waits.waiting_for(permits))
         #: Cluster-wide concurrency limits, and the tasks of this worker waiting for one
         #: (``resume`` is the pool's, bound when the consumer starts).
         self.rules = rules or PermitRules(settings.concurrency_limits, settings.rate_limits)

@@ -34,7 +34,8 @@ URL_FIXTURES = {"sqlite": "sqlite_url", "postgres": "pg_url", "mariadb": "mariad
 #: beat's transactions); the others' SQL is the same on every connection.
 PGBOUNCER_SUITES = {"test_claims_contract.py", "test_permits_contract.py",
                     "test_results_contract.py", "test_recover_contract.py",
-                    "test_leader_beat_contract.py", "test_checkpoints_contract.py"}
+                    "test_leader_beat_contract.py", "test_checkpoints_contract.py",
+                    "test_permit_folds_contract.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

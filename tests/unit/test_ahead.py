@@ -37,7 +37,7 @@ def make(concurrency: int = 2, runtime: float | None = 0.001,
     waiting = waited_for if waited_for is not None else set()
     ahead = StartAhead(keeper, lambda: LoopCaller(None), concurrency,  # type: ignore[arg-type]
                        lambda claim, job, result: handed.append((claim, job, result)),
-                       lambda claim: any(p.key in waiting for p in claim.permits or ()))
+                       lambda permits: any(p.key in waiting for p in permits))
     ahead.runtime = runtime
     return ahead, keeper, handed
 

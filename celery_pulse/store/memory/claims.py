@@ -73,7 +73,7 @@ class MemoryClaims(MemoryCore, ClaimStore):
 
     def _reserve_one(self, holder: str, r: ReserveRequest, ttl: float, now: float
                      ) -> Grant | Refusal:
-        state = RUNNING if r.start else RESERVED
+        state = RUNNING if r.starts_now else RESERVED
         row = self.tables.claims.get(r.task_id)
         if row is None:
             row = ClaimRow(r.task_id, r.task_name, state, holder, new_token(), 1, now + ttl, 1,
@@ -81,7 +81,7 @@ class MemoryClaims(MemoryCore, ClaimStore):
                            dumps(r.message.headers), dumps(r.message.properties),
                            dumps(r.message.delivery_info), r.message.content_type,
                            r.message.content_encoding, r.publication, now, now,
-                           started_at=now if r.start else None, queue=queue_of(r.message))
+                           started_at=now if r.starts_now else None, queue=queue_of(r.message))
             self.tables.claims[r.task_id] = row
             return self._grant(row)
         expired = _expired(row, now)
@@ -103,7 +103,7 @@ class MemoryClaims(MemoryCore, ClaimStore):
             row.content_encoding = r.message.content_encoding
             row.reserved_at, row.publication = now, r.publication
             row.queue = queue_of(r.message)
-            row.started_at = now if r.start else None
+            row.started_at = now if r.starts_now else None
             row.finished_at = row.outcome = row.error = None
             return self._grant(row)
         if row.state in TERMINAL_STATES:

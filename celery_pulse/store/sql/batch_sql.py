@@ -65,7 +65,7 @@ class BatchSql:
                        r.message.body, dumps(r.message.headers),
                        dumps(r.message.properties), dumps(r.message.delivery_info),
                        r.message.content_type, r.message.content_encoding, r.publication,
-                       queue_of(r.message), RUNNING if r.start else RESERVED]
+                       queue_of(r.message), RUNNING if r.starts_now else RESERVED]
         params += [holder, ttl]  # the CTE's rows come first in the statement
         return self.reserve_sql(len(requests)), tuple(params)
 

@@ -39,6 +39,8 @@ class ClaimEngine(Protocol):
 
     #: See :attr:`ClaimStore.nonblocking_exchange`.
     nonblocking_exchange: bool
+    #: See :attr:`ClaimStore.folds_permits`.
+    folds_permits: bool
     #: PostgreSQL's pipelined connection (None elsewhere).
     pipeline: Pipeline | None
 

@@ -59,6 +59,7 @@ class BatchClaims:
     """The hot path of a database with ``ON CONFLICT .. WHERE`` and ``UPDATE .. RETURNING``."""
 
     nonblocking_exchange = False
+    folds_permits = False
     #: The results of the ``pulse://`` backend are written by the completion's own
     #: statement (PostgreSQL), not beside it in its transaction.
     results_in_statement = False

@@ -110,6 +110,7 @@ class MySqlClaims:
     :class:`~.claims.BatchClaims`, not a kind of it."""
 
     nonblocking_exchange = False
+    folds_permits = False
     pipeline: Pipeline | None = None
 
     def __init__(self, conns: Connections, results: ResultRows) -> None:
@@ -246,12 +247,12 @@ class MySqlClaims:
                        items: list[tuple[ReserveRequest, int, int]]) -> tuple[Any, ...]:
         params: list[Any] = []
         for r, epoch, attempts in items:
-            params += [r.task_id, r.task_name, RUNNING if r.start else RESERVED, holder, epoch,
+            params += [r.task_id, r.task_name, RUNNING if r.starts_now else RESERVED, holder, epoch,
                        ttl, attempts, r.max_attempts, r.policy, r.retries, r.message.body,
                        dumps(r.message.headers), dumps(r.message.properties),
                        dumps(r.message.delivery_info), r.message.content_type,
                        r.message.content_encoding, r.publication, queue_of(r.message),
-                       r.start]
+                       r.starts_now]
         return tuple(params)
 
     # -- running claims -----------------------------------------------------------------

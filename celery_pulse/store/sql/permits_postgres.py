@@ -98,22 +98,28 @@ def statements(now: str) -> dict[str, str]:
 class PermitPlan:
     """One batch of limited starts as the two halves of its transaction: :attr:`first`
     (sent at once), :meth:`then` (from the first half's rows: the starts and holds, sent
-    with the ``COMMIT``), :meth:`outcome` (from the second half's rows)."""
+    with the ``COMMIT``), :meth:`outcome` (from the second half's rows).
+
+    ``folded``: task ids reserved earlier in the same transaction whose starts go with
+    these (:attr:`~celery_pulse.store.base.ReserveRequest.permits`); their leases are
+    known from the reservation's rows only, given to :meth:`then`. After the starts
+    asked before them: those were reserved first."""
 
     def __init__(self, dialect: Dialect, holder: str, leases: Sequence[LeaseKey],
-                 ttl: float, needs: Mapping[str, Sequence[Permit]]) -> None:
+                 ttl: float, needs: Mapping[str, Sequence[Permit]],
+                 folded: Sequence[str] = ()) -> None:
         self.sql = sql = statements(dialect.clock)
-        self.leases, self.ttl = leases, ttl
-        self.wanted, limits = wanted_of(leases, needs)
+        self.leases, self.ttl, self.folded = list(leases), ttl, folded
+        self.wanted, limits = wanted_of([*leases, *((t, 0, "") for t in folded)], needs)
         self.windows = windows = rate_windows(self.wanted)
         self.wants = rate_wants(self.wanted)
         keys = sorted(limits)
         held_keys = [k for k in keys if k not in windows]
-        ordered = sorted(leases)
+        ordered = sorted({lease[0] for lease in leases} | set(folded))
         named: list[tuple[str, Sequence[Any]]] = [
             ("indexes_only_generic" if windows and not held_keys else "indexes_only", ()),
             ("lock", (keys, [limits[k] for k in keys], [windows.get(k) for k in keys])),
-            ("live", (holder, [lease[0] for lease in ordered]))]
+            ("live", (holder, ordered))]
         if held_keys:  # concurrency limits: who holds them
             named += [("drop_past", (held_keys,)), ("holders", (held_keys,))]
         if windows:  # rate limits: the starts in each window
@@ -127,9 +133,14 @@ class PermitPlan:
         self.used: dict[str, int] = {}
         self.oldest: dict[str, float] = {}
 
-    def then(self, rows: Rows) -> list[Statement]:
-        """The second half, decided from :attr:`first`'s rows."""
+    def then(self, rows: Rows, reserved: Sequence[tuple[Any, ...]] = ()) -> list[Statement]:
+        """The second half, decided from :attr:`first`'s rows (and the reservation's,
+        ``reserved``, for the ``folded`` ones)."""
         sql = self.sql
+        if self.folded:  # in the order asked
+            rows_of = {row[0]: row for row in reserved}
+            self.leases += [(t, int(rows_of[t][1]), rows_of[t][2])
+                            for t in self.folded if t in rows_of]
 
         def of(name: str) -> list[tuple[Any, ...]]:
             return rows[self.at[name]] if name in self.at else []

@@ -48,6 +48,7 @@ class PostgresClaims(BatchClaims):
     """:class:`BatchClaims` on PostgreSQL, plus the pipelined exchange."""
 
     nonblocking_exchange = True
+    folds_permits = True
     results_in_statement = True
 
     def __init__(self, conns: Connections, results: ResultRows) -> None:
@@ -130,20 +131,24 @@ class PostgresClaims(BatchClaims):
         """Send the exchange (``now``: None where that could block). Starts that need
         permits make it one transaction of two round trips: the rest of the exchange and
         the permits' first half (their keys locked after the completions gave theirs
-        back), then the starts under permits with the ``COMMIT``."""
+        back), then the starts under permits with the ``COMMIT``. A reservation asked to
+        start with permits is reserved, then started there too (folded)."""
         pipeline = self.pipeline
         assert pipeline is not None
         limited, starts = split_by_permits(permits, starts)
+        folded = [r for r in reserves if r.start and r.permits]
         statements = self.exchange_statements(holder, ttl, completions, reserves, starts)
-        if not limited:
+        if not limited and not folded:
             flight = (pipeline.begin_now if now else pipeline.begin)("exchange", statements)
             return None if flight is None else PipelinedExchange(
                 self, holder, flight, completions, reserves, bool(starts))
-        plan = permits_postgres.PermitPlan(self.dialect, holder, limited, ttl, permits or {})
-        at = len(statements)
+        needs = {**(permits or {}), **{r.task_id: r.permits for r in folded}}
+        plan = permits_postgres.PermitPlan(self.dialect, holder, limited, ttl, needs,
+                                           [r.task_id for r in folded])
+        at, reserved_at = len(statements), 1 if completions else 0
         trips = (TwoTrips.begin_now if now else TwoTrips.begin)(
             pipeline, "exchange", [*statements, *plan.first],
-            lambda rows: plan.then(rows[at:]))
+            lambda rows: plan.then(rows[at:], rows[reserved_at] if folded else ()))
         return None if trips is None else PipelinedExchange(
             self, holder, trips, completions, reserves, bool(starts), plan)
 
@@ -221,7 +226,13 @@ class PipelinedExchange:
         if plan is None:
             return done
         started, waiting = plan.outcome(list(results))
-        return dataclasses.replace(done, started={**done.started, **started},
+        reserved = done.reserved
+        if plan.folded:  # granted reserved, then started in the same transaction
+            folded = set(plan.folded)
+            reserved = [dataclasses.replace(g, started=True, lease_until=started.pop(g.task_id))
+                        if isinstance(g, Grant) and g.task_id in folded and g.task_id in started
+                        else g for g in reserved]
+        return dataclasses.replace(done, reserved=reserved, started={**done.started, **started},
                                    waiting=frozenset(waiting), retry_in=dict(waiting.retry_in))
 
     def _needs_reads(self, rows: list[list[tuple[Any, ...]]]) -> bool:

@@ -65,6 +65,7 @@ class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlViews, SqlRecover, SqlReviews, Sq
         self.results = results
         self.claims = claims
         self.nonblocking_exchange = claims.nonblocking_exchange
+        self.folds_permits = claims.folds_permits
 
     @property
     def _pipeline(self) -> Pipeline | None:
