@@ -103,28 +103,36 @@ class StartAhead:
         self.folding += start
         return start
 
-    def fold_with(self, permits: tuple[Permit, ...] | None) -> tuple[Permit, ...]:
-        """The permits a new delivery with a free process takes in its reservation
-        (none: it asks for them with its process): known before its body is read
-        (``permits`` None: a key function makes them depend on it) and
-        :meth:`may_take`."""
-        return permits if permits and self.may_take(permits) else ()
+    def fold_limited(self, free_process: bool, permits: tuple[Permit, ...] | None
+                     ) -> tuple[Permit, ...]:
+        """:meth:`fold` for a delivery that needs ``permits`` (None: a key function makes
+        them depend on its body, not read yet): the permits its reservation starts it
+        with, or none (it asks for them later). Only if :meth:`may_take`, and without a
+        free process as a start ahead of its keys would go (the same allowance)."""
+        if not permits or not self.may_take(permits) or (not free_process and any(
+                self.flying[p.key] >= self.allowed.get(p.key, 1) for p in permits)):
+            return ()
+        if not self.fold(free_process):
+            return ()
+        for permit in permits:
+            self.flying[permit.key] += 1
+        return permits
 
-    def granted(self, claim: LocalClaim, permits: tuple[Permit, ...], started: bool) -> None:
-        """A reservation came back granted; if it asked to start with ``permits``, they
-        are the claim's, and a start that found one taken blocks its keys here."""
-        if permits:
-            claim.permits = permits
-            if not started:
-                self.refused(claim)
-
-    def settled(self, claim: LocalClaim | None, folded: bool, may_wait: bool) -> None:
+    def settled(self, claim: LocalClaim | None, folded: bool, may_wait: bool,
+                permits: tuple[Permit, ...] = (), started: bool = False) -> None:
         """A reservation came back and Celery has the request (``claim`` None: refused).
 
         ``may_wait``: the request waits for a process in Celery's order (not an ETA, not
-        rate limited), so it may be started ahead.
+        rate limited), so it may be started ahead. ``permits``: it was folded with them
+        (:meth:`fold_limited`), ``started`` if it got them.
         """
         self.folding -= folded
+        if permits:
+            self._limited_answer(permits, started)
+            if claim is not None:
+                claim.permits = permits
+                if not started:
+                    self.refused(claim)
         if claim is None or claim.applied or not may_wait:
             return
         if claim.state == RUNNING:
@@ -181,7 +189,7 @@ class StartAhead:
     def _answered(self, claim: LocalClaim, result: Any) -> None:
         claim.starting = False
         if claim.permits:
-            self._limited_answer(claim, result)
+            self._limited_answer(claim.permits, result is True)
         job, claim.waiting_job = claim.waiting_job, None
         if job is not None:
             self.hand_over(claim, job, result)  # its process is waiting for it
@@ -191,14 +199,14 @@ class StartAhead:
                 self.refused(claim)
         self.pump()
 
-    def _limited_answer(self, claim: LocalClaim, result: Any) -> None:
-        self.limited_starts += result is True
-        for permit in claim.permits or ():
+    def _limited_answer(self, permits: tuple[Permit, ...], started: bool) -> None:
+        self.limited_starts += started
+        for permit in permits:
             key = permit.key
             self.flying[key] -= 1
             if self.flying[key] <= 0:
                 del self.flying[key]
-            if result is True:
+            if started:
                 if len(self.allowed) >= MAX_KEYS and key not in self.allowed:
                     self.allowed.clear()
                 self.allowed[key] = min(2 * self.allowed.get(key, 1), MAX_AHEAD)

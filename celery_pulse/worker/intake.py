@@ -162,10 +162,10 @@ class Intake:
                            and self.pulse.rules.limited(task, routing_key))
             may_wait = bool(may_fold and not headers.get("eta") and self.loop.hub is not None)
             free = may_wait and self._free_process()
-            permits = self.pulse.ahead.fold_with(self.pulse.rules.fixed_needs(
-                task, routing_key)) if limited and free and self.keeper.store.folds_permits else ()
-            start = may_wait and (not limited or bool(permits)) and self.pulse.ahead.fold(free)
-            may_wait = may_wait and not (limited and free)
+            permits = self.pulse.ahead.fold_limited(free, self.pulse.rules.fixed_needs(
+                task, routing_key)) if limited and may_wait and self.keeper.store.folds_permits else ()
+            start = may_wait and (bool(permits) if limited else self.pulse.ahead.fold(free))
+            may_wait = may_wait and not (limited and free and not permits)
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries, publication, start, permits)
             # Lingering for company pays only under load: the first of a burst goes at
@@ -311,7 +311,6 @@ class Intake:
                                         publication=request.publication,
                                         message=request.message)
                 self.keeper.counters.reserved += 1
-                self.pulse.ahead.granted(claim, request.permits, result.started)
                 self.pulse.ack(message)
                 if result.attempts > 1:
                     # A later attempt of this publication (requeued or recovered): it was
@@ -337,7 +336,8 @@ class Intake:
             # request: :meth:`request_made`); never started ahead without them.
             self.pulse.ahead.settled(claim, request.start, may_wait and claim is not None
                                      and not claim.scheduled
-                                     and (not limited or claim.permits is not None))
+                                     and (not limited or claim.permits is not None),
+                                     request.permits, isinstance(result, Grant) and result.started)
             for args in same_id:  # now decided against the settled reservation
                 self.loop.call(handler, *args)
             self.pulse.admit_waiting()
