@@ -68,8 +68,9 @@ class StartAhead:
         self.folding = 0
         #: ``waited_for(permits)``: tasks of this worker wait for one of their keys.
         self.waited_for = waited_for
-        #: Starts ahead of tasks under a limit that got their permits (worker stats).
-        self.limited_starts = 0
+        #: Starts ahead of tasks under a limit that got their permits, and starts folded
+        #: into their reservation with them (worker stats: :meth:`stats`).
+        self.limited_starts = self.limited_folds = 0
         #: Permit keys a start ahead found no permit of -> that claim (until it leaves).
         self.blocked: dict[str, LocalClaim] = {}
         #: Limited starts ahead in flight per permit key, and how many may be (absent: 1).
@@ -77,6 +78,9 @@ class StartAhead:
         self.allowed: dict[str, int] = {}
         #: Running mean of job run times (seconds); None until one job has run.
         self.runtime: float | None = None
+
+    def stats(self) -> dict[str, int]:
+        return {"started_ahead": self.limited_starts, "folded": self.limited_folds}
 
     @property
     def short(self) -> bool:
@@ -128,6 +132,7 @@ class StartAhead:
         """
         self.folding -= folded
         if permits:
+            self.limited_folds += started
             self._limited_answer(permits, started)
             if claim is not None:
                 claim.permits = permits
@@ -189,6 +194,7 @@ class StartAhead:
     def _answered(self, claim: LocalClaim, result: Any) -> None:
         claim.starting = False
         if claim.permits:
+            self.limited_starts += result is True
             self._limited_answer(claim.permits, result is True)
         job, claim.waiting_job = claim.waiting_job, None
         if job is not None:
@@ -200,7 +206,6 @@ class StartAhead:
         self.pump()
 
     def _limited_answer(self, permits: tuple[Permit, ...], started: bool) -> None:
-        self.limited_starts += started
         for permit in permits:
             key = permit.key
             self.flying[key] -= 1

@@ -376,7 +376,7 @@ class PulseWorker:
             "paused_for": sorted(self.gate.reasons) if self.gate else [],
             "permits": {"waiting": self.waits.count, "by_key": self.waits.by_key(),
                         "awaiting_process": self.awaiting_process(),
-                        "started_ahead": self.ahead.limited_starts},
+                        **self.ahead.stats()},
             "leases": {"held": sum(c.state != LOST for c in held),
                        "running": sum(c.state == RUNNING for c in held),
                        "reserved": sum(c.state == RESERVED for c in held),
