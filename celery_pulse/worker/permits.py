@@ -4,10 +4,11 @@ Declared by a task option (``@app.task(pulse_concurrency=5)``), partitioned by
 ``pulse_concurrency_key=lambda args, kwargs: ...`` (each value gets its own permits),
 or by the ``pulse_concurrency_limits`` setting, which names tasks and queues
 (``"queue:<routing key>"``) and overrides the option. The store takes a task's permits
-in the statement that starts it (never at reservation: a prefetched task holds none)
-and gives them back with whatever ends that start. A task whose start finds no free
-permit waits in :mod:`celery_pulse.worker.permit_waits`; other workers hear of freed
-permits through :mod:`celery_pulse.worker.permit_signals`.
+in the transaction that starts it (a reservation folded with its start, where the store
+can, is that transaction; a prefetched task holds none) and gives them back with
+whatever ends that start. A task whose start finds no free permit waits in
+:mod:`celery_pulse.worker.permit_waits`; other workers hear of freed permits through
+:mod:`celery_pulse.worker.permit_signals`.
 """
 
 from __future__ import annotations
