@@ -193,3 +193,41 @@ def test_a_task_under_a_rate_starts_ahead_as_a_limited_one_does() -> None:
     ahead.settled(rated[2], False, True)
     assert [c for c, _cb, _u in keeper.starts] == rated[:1]
     assert not rated[1].starting and not rated[2].starting
+
+
+def test_a_limited_delivery_folds_with_its_permits_as_a_start_ahead_would_go() -> None:
+    """With a free process it folds; without one, only as a start ahead of its keys
+    would (one in flight per key at first); never while its keys have waiters, nor
+    where its permits depend on its body (None)."""
+    hot = (Permit("task:k", 4),)
+    ahead, keeper, _ = make(concurrency=2, runtime=WINDOW / 4, waited_for={"task:busy"})
+    assert ahead.fold_limited(False, None) == () and ahead.folding == 0
+    assert ahead.fold_limited(True, (Permit("task:busy", 4),)) == ()
+    assert ahead.fold_limited(False, hot) == hot  # within the budget: one in flight
+    assert ahead.fold_limited(False, hot) == ()  # the key's allowance is taken
+    assert ahead.fold_limited(True, hot) == hot  # a free process waits for it
+    assert ahead.folding == 2 and ahead.flying["task:k"] == 2
+    # Both granted with their permits: the key may fly twice as many.
+    for name in ("a", "b"):
+        claim = keeper.claim(name)
+        claim.state = RUNNING
+        ahead.settled(claim, True, True, hot, True)
+        assert claim.permits == hot
+    assert ahead.folding == 0 and not ahead.flying and ahead.allowed["task:k"] == 4
+    assert ahead.stats() == {"started_ahead": 0, "folded": 2}
+
+
+def test_a_fold_that_found_no_permit_keeps_its_keys_back_until_it_leaves() -> None:
+    hot = (Permit("task:k", 1),)
+    ahead, keeper, _ = make(concurrency=2, runtime=WINDOW / 4)
+    assert ahead.fold_limited(True, hot) == hot
+    claim = keeper.claim("full")
+    ahead.settled(claim, True, False, hot, False)  # reserved, not started
+    assert claim.permits == hot and ahead.stats()["folded"] == 0
+    assert ahead.fold_limited(True, hot) == ()  # it asks with its process first
+    claim.in_pool = True
+    ahead.left(claim)
+    assert ahead.fold_limited(True, hot) == hot
+    # A refused or failed reservation (no claim) gives its allowance back too.
+    ahead.settled(None, True, False, hot, False)
+    assert not ahead.flying and ahead.folding == 0

@@ -8,7 +8,9 @@ applied only. :meth:`PostgresClaims.begin_exchange` sends it without waiting, fo
 worker's event loop; :class:`PipelinedExchange` reads its answers when they arrive.
 Starts under permits make the exchange one transaction of two round trips
 (:class:`~.pipeline_tx.TwoTrips`): the permits' first half goes out with the rest, their
-starts with the ``COMMIT`` (:mod:`.permits_postgres`).
+starts with the ``COMMIT`` (:mod:`.permits_postgres`). A reservation asked to start with
+its permits (``ReserveRequest.permits``) is reserved in the first trip and started in the
+second when they have room: folded, as an unlimited one's start is into its statement.
 A task id twice in one kind, a batch over the chunk size, or a chord part's counter
 takes the general path (rare: the keeper's batches are of distinct, recent tasks).
 """
