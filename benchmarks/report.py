@@ -1368,18 +1368,19 @@ def _permits_meaning(pm: dict[str, Any]) -> str:
         parts.append(text + ". ")
     text = "".join(parts)
     if parts:
-        text += ("A limited task's start locks the key's row and counts its holders, "
-                 "never folded into its reservation's statement (whether a permit is free is "
-                 "not known then); on PostgreSQL it rides on the worker's exchange, one "
-                 "transaction in two round trips on the event loop (the key locked and "
-                 "counted with the exchange's statements, the start with the COMMIT), so a "
-                 "limited start costs the exchange one more round trip and a row update "
-                 "(the reservation, then the start) where an unlimited task is reserved "
-                 "running in one statement. Under load it is made ahead "
-                 "of the pool, as an unlimited task's is, while earlier jobs run (per key, "
-                 "one in flight at first, twice as many after each that got its permit); "
-                 "under a limit that binds most tasks ask once their process is free, and "
-                 "that process waits for the answer. ")
+        text += ("A limited task's start locks the key's row and counts its holders. On "
+                 "PostgreSQL it rides on the worker's exchange, one transaction in two round "
+                 "trips on the event loop (the key locked and counted with the exchange's "
+                 "statements, the start with the COMMIT), and a new delivery's start is "
+                 "folded into that transaction with its reservation when a process is free "
+                 "for it or it would go ahead of the pool (the claim reserved, the key "
+                 "counted, then started): a limited start costs the exchange one more round "
+                 "trip and a second row update of the claim, where an unlimited task is "
+                 "reserved running in one statement, but no exchange of its own. Otherwise "
+                 "it is made ahead of the pool while earlier jobs run (per key, one in "
+                 "flight at first, twice as many after each that got its permit); under a "
+                 "limit that binds most tasks ask once their process is free, and that "
+                 "process waits for the answer. ")
     for workload in labels:
         one = _permit_row(pm, workload, "limit-1")
         if one is None or one["ratio"] is None or not workload.startswith("sleep"):
