@@ -336,6 +336,7 @@ class InFlight:
             self._ended = True
             self.pipeline._lock.release()
 
+
 def array_literal(items: list[Any]) -> str | list[Any]:
     """A list parameter (the store's SQL casts each one: ``%s::text[]``) as PostgreSQL's
     array literal, sent as text: psycopg's list dumper costs 4-5 times more (a dumper
