@@ -116,7 +116,10 @@ def test_a_rate_limit_holds_across_three_workers_on_every_store(
     recorded = list(granted.values())
     assert most_in_a_window(recorded, WINDOW) <= LIMIT
     bodies = on_time(((r.task_id, r.start.epoch, r.start.at) for r in done), granted)
-    assert len(bodies) >= n * 4 // 5  # the late ones are the exception
+    # Most bodies follow their grant promptly; how many is load, not the rule (the
+    # store's record above is exact). A loaded CI run (3 test processes on 2 cores) had
+    # 129 and 149 of 200 on time on MariaDB and SQLite: half is the floor asserted.
+    assert len(bodies) >= n // 2
     assert most_in_a_window(bodies, WINDOW - JITTER) <= LIMIT
     span = max(recorded) - min(recorded)
     print(f"\n[{any_store.split(':')[0]}] {n} starts at {LIMIT}/s over {span:.2f} s "

@@ -91,7 +91,7 @@ def test_a_contended_reservation_is_tried_again_without_pausing_consumption() ->
         keeper=SimpleNamespace(counters=Counters()), gate=gate,
         loop=SimpleNamespace(later=lambda delay, fn, *args: later.append((delay, fn)),
                              call=lambda fn, *args: fn(*args), hub=object()),
-        ahead=SimpleNamespace(settled=lambda claim, folded, may_wait: settled.append(claim)),
+        ahead=SimpleNamespace(settled=lambda claim, *_: settled.append(claim)),
         admit_waiting=lambda: None)
     intake = Intake(pulse, consumer)
     message = Message(b"[]", {"id": "t-1"}, {}, {}, "application/json", "utf-8")
@@ -155,7 +155,7 @@ def test_a_store_outage_at_the_prefetch_limit_keeps_asking_the_store_and_holds_n
         loop=SimpleNamespace(later=lambda delay, fn, *args: timers.append((fn, args)),
                              call=lambda fn, *args: fn(*args), hub=object()),
         ahead=SimpleNamespace(folding=0, fold=lambda free: False,
-                              settled=lambda claim, folded, may_wait: None),
+                              settled=lambda claim, *_: None),
         rules=SimpleNamespace(declared=False, limited=lambda task, routing_key: False),
         admit_waiting=lambda: None)
     intake = Intake(pulse, consumer)
