@@ -61,7 +61,7 @@ def shot(page: Any, name: str) -> None:
 def test_browser_paused_then_taken_over_task_shows_success_of_the_current_attempt_only(
         page_env: Env, flower: Callable[..., PulseFlower],  # noqa: F811
         store: SqlStore, workers: Callable[..., Worker],  # noqa: F811
-        tmp_path: Path) -> None:
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
     chromium = chromium_or_skip()
     from playwright.sync_api import expect, sync_playwright
 
@@ -71,12 +71,17 @@ def test_browser_paused_then_taken_over_task_shows_success_of_the_current_attemp
     journal = tmp_path / "journal.txt"
     a = workers(page_env, "a@%h", extra=("-E",)).wait_ready()
     a_name = a.wait_log(r"pulse: registered (\S+)").group(1)
+    # b is started now, on a queue of its own, and given the task's queue once a is
+    # paused: a worker's start-up takes seconds on a loaded machine, which could outlast
+    # the attempt a is to be paused in (a CI run saw it end first).
+    idle = f"{page_env.queue}-b"
+    request.addfinalizer(lambda: services.tidy_queue(page_env.broker_url, idle))
+    b = workers(page_env, "b@%h", extra=("-E", "-Q", idle)).wait_ready()
+    b_name = b.wait_log(r"pulse: registered (\S+)").group(1)
     f = flower(variables=OPEN_API)  # before the task: Flower sees all of its events
     task_id = app.send_task("pageapp.late", args=[RUN, journal.name],
                             queue=page_env.queue).id
     wait_for(lambda: journal.exists() and "start" in journal.read_text(), 30, "the task to start")
-    b = workers(page_env, "b@%h", extra=("-E",)).wait_ready()
-    b_name = b.wait_log(r"pulse: registered (\S+)").group(1)
     # A paused worker's channel stays open: the broker would hand it the re-dispatched
     # delivery as readily as b. It stops consuming first, so the new attempt runs on b.
     stop_consuming(app, a_name, page_env.queue)
@@ -89,6 +94,10 @@ def test_browser_paused_then_taken_over_task_shows_success_of_the_current_attemp
 
     a.signal(signal.SIGSTOP)
     try:
+        assert "end" not in journal.read_text(), "a's attempt ended before a was paused"
+        added = app.control.add_consumer(page_env.queue, destination=[b_name], reply=True,
+                                         timeout=10)
+        assert added and b_name in added[0], added
         holder, epoch = wait_alive(succeeded, BOUND, "b to take the task over and succeed",
                                    (b,), interval=0.2)
     finally:

