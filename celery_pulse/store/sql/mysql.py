@@ -133,8 +133,20 @@ class MySqlClaims:
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
                  permits: Mapping[str, Sequence[Permit]] | None = None) -> Exchanged | None:
-        """None: no single round trip here (the store calls the three verbs in order)."""
-        return None
+        """Completions, then reservations, then starts, in one transaction (one COMMIT,
+        not one per verb; if it raises, none took effect, as the contract allows); None
+        (the three verbs, in order) when a start needs a permit."""
+        limited, unique = split_starts(permits, starts)
+        if limited:
+            return None
+
+        def body(conn: sa.Connection) -> Exchanged:
+            completed, counted = self._complete_in(conn, holder, completions)
+            reserved = self._reserve_in(conn, holder, reserves, ttl)
+            return Exchanged(completed, reserved, self._start_in(conn, holder, unique, ttl),
+                             counted)
+
+        return self.conns.atomic("exchange", body)
 
     def begin_exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                        reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
@@ -157,20 +169,23 @@ class MySqlClaims:
                 ) -> list[Grant | Refusal]:
         if not requests:
             return []
-        rounds = in_rounds(list(enumerate(requests)), lambda item: item[1].task_id)
+        return self.conns.atomic("reserve",
+                                 lambda conn: self._reserve_in(conn, holder, requests, ttl))
+
+    def _reserve_in(self, conn: sa.Connection, holder: str,
+                    requests: Sequence[ReserveRequest], ttl: float) -> list[Grant | Refusal]:
+        """:meth:`reserve` in the caller's transaction."""
+        if not requests:
+            return []
         packet = self.max_message_bytes() if any(
             len(r.message.body) > _PACKET_HEADROOM // 2 for r in requests) else None
-
-        def body(conn: sa.Connection) -> list[Grant | Refusal]:
-            out: list[Grant | Refusal | None] = [None] * len(requests)
-            for batch in rounds:
-                for chunk in _chunks(batch, packet):
-                    answers = self._reserve_locked(conn, holder, [r for _, r in chunk], ttl)
-                    for (i, _), answer in zip(chunk, answers, strict=True):
-                        out[i] = answer
-            return [answer for answer in out if answer is not None]
-
-        return self.conns.atomic("reserve", body)
+        out: list[Grant | Refusal | None] = [None] * len(requests)
+        for batch in in_rounds(list(enumerate(requests)), lambda item: item[1].task_id):
+            for chunk in _chunks(batch, packet):
+                answers = self._reserve_locked(conn, holder, [r for _, r in chunk], ttl)
+                for (i, _), answer in zip(chunk, answers, strict=True):
+                    out[i] = answer
+        return [answer for answer in out if answer is not None]
 
     def _reserve_locked(self, conn: sa.Connection, holder: str,
                         requests: list[ReserveRequest], ttl: float) -> list[Grant | Refusal]:
@@ -265,25 +280,29 @@ class MySqlClaims:
     def start_many(self, holder: str, leases: Sequence[LeaseKey], ttl: float,
                    permits: Mapping[str, Sequence[Permit]] | None = None,
                    waiting: set[str] | None = None) -> dict[str, float]:
-        now = self.conns.now
         limited, unique = split_starts(permits, leases)
         started = permits_sql.start_limited(self.conns, holder, limited, ttl, permits or {},
                                             waiting)
-        for i in range(0, len(unique), CHUNK):
-            chunk: list[Any] = unique[i:i + CHUNK]
+        if unique:
+            started.update(self.conns.atomic(
+                "start", lambda conn: self._start_in(conn, holder, unique, ttl)))
+        return started
 
-            def body(conn: sa.Connection, chunk: list[Any] = chunk) -> dict[str, float]:
-                ids = list(conn.execute(sa.select(claims.c.task_id).where(
-                    self._held(holder, chunk, RESERVED)).with_for_update()).scalars())
-                if not ids:
-                    return {}
-                conn.execute(sa.update(claims).where(claims.c.task_id.in_(ids)).values(
-                    state=RUNNING, started_at=now, lease_until=now + ttl))
-                return {task_id: float(until) for task_id, until in conn.execute(
-                    sa.select(claims.c.task_id, claims.c.lease_until)
-                    .where(claims.c.task_id.in_(ids)))}
-
-            started.update(self.conns.atomic("start", body))
+    def _start_in(self, conn: sa.Connection, holder: str, leases: Sequence[LeaseKey],
+                  ttl: float) -> dict[str, float]:
+        """Starts needing no permit, in the caller's transaction."""
+        now = self.conns.now
+        started: dict[str, float] = {}
+        for i in range(0, len(leases), CHUNK):
+            ids = list(conn.execute(sa.select(claims.c.task_id).where(
+                self._held(holder, leases[i:i + CHUNK], RESERVED)).with_for_update()).scalars())
+            if not ids:
+                continue
+            conn.execute(sa.update(claims).where(claims.c.task_id.in_(ids)).values(
+                state=RUNNING, started_at=now, lease_until=now + ttl))
+            started.update((task_id, float(until)) for task_id, until in conn.execute(
+                sa.select(claims.c.task_id, claims.c.lease_until)
+                .where(claims.c.task_id.in_(ids))))
         return started
 
     def renew(self, holder: str, leases: Sequence[LeaseKey], ttl: float
@@ -318,23 +337,24 @@ class MySqlClaims:
     def complete(self, holder: str, completions: Sequence[Completion],
                  counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
         """As on PostgreSQL (see the contract); applied in statements per outcome."""
-        rounds = in_rounds(list(completions), lambda c: c.task_id)
-
-        def body(conn: sa.Connection) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
-            out: dict[str, str] = {}
-            all_counts: dict[str, tuple[int, str]] = {}  # of this attempt (a retry redoes it)
-            for batch in rounds:
-                for i in range(0, len(batch), CHUNK):
-                    answers, counts = self._complete_locked(conn, holder,
-                                                            batch[i:i + CHUNK])
-                    all_counts.update(counts)
-                    best(out, answers)
-            return out, all_counts
-
-        out, counts = self.conns.atomic("complete", body)
+        out, counts = self.conns.atomic(
+            "complete", lambda conn: self._complete_in(conn, holder, completions))
         if counted is not None:
             counted.update(counts)
         return out
+
+    def _complete_in(self, conn: sa.Connection, holder: str, completions: Sequence[Completion]
+                     ) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
+        """:meth:`complete` in the caller's transaction: the answers, and the parts of
+        the results it counted (of this attempt: a transaction run again redoes them)."""
+        out: dict[str, str] = {}
+        all_counts: dict[str, tuple[int, str]] = {}
+        for batch in in_rounds(list(completions), lambda c: c.task_id):
+            for i in range(0, len(batch), CHUNK):
+                answers, counts = self._complete_locked(conn, holder, batch[i:i + CHUNK])
+                all_counts.update(counts)
+                best(out, answers)
+        return out, all_counts
 
     def _complete_locked(self, conn: sa.Connection, holder: str, chunk: list[Completion]
                          ) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
