@@ -11,7 +11,9 @@ not one statement but one transaction that decides under row locks:
    a task id nobody had is inserted with a plain ``INSERT``: if another transaction
    inserted it first, the duplicate-key error rolls everything back and the whole
    decision is taken again (it then sees the other grant, under lock);
-4. what was written is read back under the same locks, and the transaction commits.
+4. what was written is read back under the same locks (MariaDB's ``INSERT .. RETURNING``
+   answers a new claim's grant itself: :mod:`.mysql_grants`), and the transaction
+   commits. A worker's exchange (completions, reservations, starts) is one transaction.
 
 Deadlocks and lock-wait timeouts (1213/1205) roll a transaction back whole; it is run
 again a few times (every one here is safe to repeat: nothing of it committed), then
@@ -46,16 +48,15 @@ from celery_pulse.store.rules import (
     OUTCOME_STATE,
     grantable,
     new_publication,
-    queue_of,
     restarts,
     split_starts,
 )
 from celery_pulse.store.rules import rounds as in_rounds
+from celery_pulse.store.sql import mysql_grants as grant_sql
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
     CHUNK,
     best,
-    dumps,
     exhaust,
     lease_key_in,
     stale_answers,
@@ -68,42 +69,6 @@ from celery_pulse.store.sql.tables import CHECKPOINT_COLUMNS, claims
 
 if TYPE_CHECKING:
     from celery_pulse.store.sql.pipeline import Pipeline
-
-#: The columns of a reservation's INSERT, in order (the server fills token and times).
-_INSERT_COLUMNS = ("task_id", "task_name", "state", "holder", "token", "epoch", "lease_until",
-                   "attempts", "max_attempts", "policy", "retries", "body", "headers",
-                   "properties", "delivery_info", "content_type", "content_encoding",
-                   "publication", "queue", "created_at", "reserved_at", "started_at")
-#: Columns a re-grant overwrites (``created_at`` and ``max_attempts`` stay).
-_REGRANT_COLUMNS = ("state", "holder", "token", "epoch", "lease_until", "attempts", "policy",
-                    "retries", "task_name", "body", "headers", "properties", "delivery_info",
-                    "content_type", "content_encoding", "reserved_at", "publication",
-                    "queue", "started_at")
-
-
-#: Of ``max_allowed_packet``, what the reservation statement's text and the row's other
-#: columns may need besides the body (bytes).
-_PACKET_HEADROOM = 1 << 20
-
-
-def _chunks(batch: list[tuple[int, ReserveRequest]], packet: int | None
-            ) -> list[list[tuple[int, ReserveRequest]]]:
-    """``batch`` in statements of at most ``CHUNK`` rows and, with big messages, of
-    bodies adding up to at most ``packet`` bytes: over ``max_allowed_packet`` the server
-    drops the connection, as an outage would."""
-    if packet is None:
-        return [batch[i:i + CHUNK] for i in range(0, len(batch), CHUNK)]
-    chunks: list[list[tuple[int, ReserveRequest]]] = [[]]
-    size = 0
-    for item in batch:
-        grows = len(item[1].message.body)
-        if chunks[-1] and (size + grows > packet or len(chunks[-1]) >= CHUNK):
-            chunks.append([])
-            size = 0
-        chunks[-1].append(item)
-        size += grows
-    return chunks
-
 
 class MySqlClaims:
     """The hot path on MySQL/MariaDB (see the module doc): a sibling of
@@ -120,6 +85,7 @@ class MySqlClaims:
         #: The server's ``max_allowed_packet`` (bytes), once asked.
         self._packet: int | None = None
         self._sql_cache: dict[tuple[str, int], str] = {}
+        self.sql = grant_sql.GrantSql(conns.dialect)
 
     def close(self) -> None:
         """Nothing of its own to close (the store disposes of the engine)."""
@@ -163,7 +129,7 @@ class MySqlClaims:
             with translated("max_message_bytes"), self.conns.engine.connect() as conn:
                 self._packet = int(conn.exec_driver_sql(
                     "SELECT @@max_allowed_packet").scalar_one())
-        return max(self._packet - _PACKET_HEADROOM, 0) // 2
+        return max(self._packet - grant_sql.PACKET_HEADROOM, 0) // 2
 
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:
@@ -178,10 +144,10 @@ class MySqlClaims:
         if not requests:
             return []
         packet = self.max_message_bytes() if any(
-            len(r.message.body) > _PACKET_HEADROOM // 2 for r in requests) else None
+            len(r.message.body) > grant_sql.PACKET_HEADROOM // 2 for r in requests) else None
         out: list[Grant | Refusal | None] = [None] * len(requests)
         for batch in in_rounds(list(enumerate(requests)), lambda item: item[1].task_id):
-            for chunk in _chunks(batch, packet):
+            for chunk in grant_sql.chunks(batch, packet):
                 answers = self._reserve_locked(conn, holder, [r for _, r in chunk], ttl)
                 for (i, _), answer in zip(chunk, answers, strict=True):
                     out[i] = answer
@@ -225,50 +191,30 @@ class MySqlClaims:
                                            int(row.epoch), int(row.retries), row.publication)
         fresh.sort(key=lambda r: r.task_id)  # one lock order across workers
         regrants.sort(key=lambda item: item[0].task_id)
+        read_back = [r.task_id for r, _, _ in regrants]
         if fresh:
-            conn.exec_driver_sql(self._sql("reserve-new", len(fresh), self._insert_sql),
-                                 self._insert_params(holder, ttl, [(r, 1, 1) for r in fresh]))
+            params = grant_sql.insert_params(holder, ttl, [(r, 1, 1) for r in fresh])
+            if conn.dialect.is_mariadb:  # type: ignore[attr-defined]
+                # MariaDB answers with the rows it inserted: no read-back for them.
+                answers.update(grant_sql.grants(conn.exec_driver_sql(
+                    self._sql("reserve-new-returning", len(fresh), self.sql.insert_returning),
+                    params)))
+            else:
+                conn.exec_driver_sql(self._sql("reserve-new", len(fresh), self.sql.insert),
+                                     params)
+                read_back += [r.task_id for r in fresh]
         if regrants:
-            conn.exec_driver_sql(self._sql("reserve-again", len(regrants), self._regrant_sql),
-                                 self._insert_params(holder, ttl, regrants))
+            conn.exec_driver_sql(self._sql("reserve-again", len(regrants), self.sql.regrant),
+                                 grant_sql.insert_params(holder, ttl, regrants))
         if restarted:  # a new run of a finished task: no earlier run's checkpoint
             conn.execute(sa.update(claims).where(claims.c.task_id.in_(restarted)).values(
                 dict.fromkeys(CHECKPOINT_COLUMNS)))
-        granted = [r.task_id for r in fresh] + [r.task_id for r, _, _ in regrants]
-        if granted:
-            for task_id, epoch, token, lease_until, attempts, state in conn.execute(
-                    sa.select(claims.c.task_id, claims.c.epoch, claims.c.token,
-                              claims.c.lease_until, claims.c.attempts, claims.c.state)
-                    .where(claims.c.task_id.in_(granted))):
-                answers[task_id] = Grant(task_id, int(epoch), token, float(lease_until),
-                                         int(attempts), state == RUNNING)
+        if read_back:
+            answers.update(grant_sql.grants(conn.execute(
+                sa.select(claims.c.task_id, claims.c.epoch, claims.c.token,
+                          claims.c.lease_until, claims.c.attempts, claims.c.state)
+                .where(claims.c.task_id.in_(read_back)))))
         return [answers[r.task_id] for r in requests]
-
-    def _insert_sql(self, rows: int) -> str:
-        now, token = self.dialect.clock, self.dialect.token
-        row = (f"(%s, %s, %s, %s, {token}, %s, {now} + %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-               f"%s, %s, %s, %s, {now}, {now}, IF(%s, {now}, NULL))")
-        return (f"INSERT INTO pulse_claims ({', '.join(_INSERT_COLUMNS)}) VALUES "
-                + ", ".join([row] * rows))
-
-    def _regrant_sql(self, rows: int) -> str:
-        """The rows exist and are locked by this transaction: the upsert only updates."""
-        assign = ", ".join(f"{c} = VALUES({c})" for c in _REGRANT_COLUMNS)
-        return (f"{self._insert_sql(rows)} ON DUPLICATE KEY UPDATE {assign}, "
-                f"finished_at = NULL, outcome = NULL, error = NULL")
-
-    @staticmethod
-    def _insert_params(holder: str, ttl: float,
-                       items: list[tuple[ReserveRequest, int, int]]) -> tuple[Any, ...]:
-        params: list[Any] = []
-        for r, epoch, attempts in items:
-            params += [r.task_id, r.task_name, RUNNING if r.starts_now else RESERVED, holder, epoch,
-                       ttl, attempts, r.max_attempts, r.policy, r.retries, r.message.body,
-                       dumps(r.message.headers), dumps(r.message.properties),
-                       dumps(r.message.delivery_info), r.message.content_type,
-                       r.message.content_encoding, r.publication, queue_of(r.message),
-                       r.starts_now]
-        return tuple(params)
 
     # -- running claims -----------------------------------------------------------------
     def _held(self, holder: str, leases: Sequence[LeaseKey], *states: str) -> Any:

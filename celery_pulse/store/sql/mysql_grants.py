@@ -1,0 +1,95 @@
+"""The reservation statements of the MySQL/MariaDB hot path (:mod:`.mysql`).
+
+A grant is a multi-row ``INSERT`` (an upsert for a claim granted again), with the store's
+clock and a token minted by the server in it; the grants are read back under the
+transaction's locks, or (MariaDB) taken from the ``INSERT``'s own ``RETURNING``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_pulse.store.base import RESERVED, RUNNING, Grant, ReserveRequest
+from celery_pulse.store.rules import queue_of
+from celery_pulse.store.sql.claim_rows import CHUNK, dumps
+from celery_pulse.store.sql.dialect import Dialect
+
+#: The columns of a reservation's INSERT, in order (the server fills token and times).
+INSERT_COLUMNS = ("task_id", "task_name", "state", "holder", "token", "epoch", "lease_until",
+                  "attempts", "max_attempts", "policy", "retries", "body", "headers",
+                  "properties", "delivery_info", "content_type", "content_encoding",
+                  "publication", "queue", "created_at", "reserved_at", "started_at")
+#: Columns a re-grant overwrites (``created_at`` and ``max_attempts`` stay).
+REGRANT_COLUMNS = ("state", "holder", "token", "epoch", "lease_until", "attempts", "policy",
+                   "retries", "task_name", "body", "headers", "properties", "delivery_info",
+                   "content_type", "content_encoding", "reserved_at", "publication",
+                   "queue", "started_at")
+#: What a grant is read from (in this order): the read-back, or MariaDB's ``RETURNING``.
+GRANT_COLUMNS = ("task_id", "epoch", "token", "lease_until", "attempts", "state")
+#: Of ``max_allowed_packet``, what the reservation statement's text and the row's other
+#: columns may need besides the body (bytes).
+PACKET_HEADROOM = 1 << 20
+
+
+class GrantSql:
+    """The statements' text, for ``rows`` rows (the caller caches it per size)."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+
+    def insert(self, rows: int) -> str:
+        now, token = self.dialect.clock, self.dialect.token
+        row = (f"(%s, %s, %s, %s, {token}, %s, {now} + %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+               f"%s, %s, %s, %s, {now}, {now}, IF(%s, {now}, NULL))")
+        return (f"INSERT INTO pulse_claims ({', '.join(INSERT_COLUMNS)}) VALUES "
+                + ", ".join([row] * rows))
+
+    def insert_returning(self, rows: int) -> str:
+        """MariaDB 10.5+ (MySQL has no ``RETURNING``)."""
+        return f"{self.insert(rows)} RETURNING {', '.join(GRANT_COLUMNS)}"
+
+    def regrant(self, rows: int) -> str:
+        """The rows exist and are locked by this transaction: the upsert only updates."""
+        assign = ", ".join(f"{c} = VALUES({c})" for c in REGRANT_COLUMNS)
+        return (f"{self.insert(rows)} ON DUPLICATE KEY UPDATE {assign}, "
+                f"finished_at = NULL, outcome = NULL, error = NULL")
+
+
+def insert_params(holder: str, ttl: float, items: list[tuple[ReserveRequest, int, int]]
+                  ) -> tuple[Any, ...]:
+    """The parameters of :meth:`GrantSql.insert` for ``(request, epoch, attempts)``."""
+    params: list[Any] = []
+    for r, epoch, attempts in items:
+        params += [r.task_id, r.task_name, RUNNING if r.starts_now else RESERVED, holder, epoch,
+                   ttl, attempts, r.max_attempts, r.policy, r.retries, r.message.body,
+                   dumps(r.message.headers), dumps(r.message.properties),
+                   dumps(r.message.delivery_info), r.message.content_type,
+                   r.message.content_encoding, r.publication, queue_of(r.message),
+                   r.starts_now]
+    return tuple(params)
+
+
+def grants(rows: Any) -> dict[str, Grant]:
+    """Grants from rows of :data:`GRANT_COLUMNS`."""
+    return {task_id: Grant(task_id, int(epoch), token, float(lease_until), int(attempts),
+                           state == RUNNING)
+            for task_id, epoch, token, lease_until, attempts, state in rows}
+
+
+def chunks(batch: list[tuple[int, ReserveRequest]], packet: int | None
+           ) -> list[list[tuple[int, ReserveRequest]]]:
+    """``batch`` in statements of at most ``CHUNK`` rows and, with big messages, of
+    bodies adding up to at most ``packet`` bytes: over ``max_allowed_packet`` the server
+    drops the connection, as an outage would."""
+    if packet is None:
+        return [batch[i:i + CHUNK] for i in range(0, len(batch), CHUNK)]
+    out: list[list[tuple[int, ReserveRequest]]] = [[]]
+    size = 0
+    for item in batch:
+        grows = len(item[1].message.body)
+        if out[-1] and (size + grows > packet or len(out[-1]) >= CHUNK):
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += grows
+    return out
