@@ -87,6 +87,12 @@ class Producer(threading.Thread):
 
             # A client app of its own: nothing cached from another test's broker.
             app = Celery("fault-producer", broker=self.env.broker_url)
+            if self.env.broker_url.startswith("amqp"):
+                # A task counts as submitted once RabbitMQ has confirmed it: a publish
+                # written just before the nemesis cuts the connection is otherwise lost
+                # unseen (a run had one no worker ever received); with confirms the cut
+                # raises and the retry policy publishes it again.
+                app.conf.broker_transport_options = {"confirm_publish": True}
             end = time.monotonic() + self.duration
             while time.monotonic() < end:
                 task_id = str(uuid.uuid4())
