@@ -1046,9 +1046,11 @@ def _md_sql_mariadb(sq: dict[str, Any], lines: list[str]) -> None:
               f"(the runner's own reads connect to no database). PyMySQL sends one statement "
               f"per round trip, without pipelining, so the round trips are all of them, plus "
               f"any request that is not a statement (a ping), counted for the worker's user. "
-              f"Each reservation, start or completion batch is a transaction of its own: a "
-              f"read under lock (`SELECT … FOR UPDATE`), the write, a read back of what was "
-              f"written (reservations and starts), then COMMIT. The load took "
+              f"A worker's exchange (its completions, reservations and starts) is one "
+              f"transaction: per batch a read under lock (`SELECT … FOR UPDATE`), the write, "
+              f"a read back of what was written (starts, and reservations granted again; "
+              f"MariaDB's `INSERT … RETURNING` answers a new claim's), then one COMMIT. "
+              f"Starts that need a permit take transactions of their own. The load took "
               f"{sq['load_seconds']:.1f} s.", ""]
     _sql_tables(sq, lines)
     per_task, idle = sq["per_task"], sq["idle_per_second"]
@@ -1062,8 +1064,8 @@ def _md_sql_mariadb(sq: dict[str, Any], lines: list[str]) -> None:
             f"pipeline sends a whole exchange in one. ")
     if exchanges is not None:
         text += (f"The group commit still batches: {exchanges:.3f} exchanges per task, "
-                 f"{num(sq.get('ops_per_exchange'), 1)} operations each, sent as up to three "
-                 f"transactions (completions, reservations, starts). ")
+                 f"{num(sq.get('ops_per_exchange'), 1)} operations each, one transaction "
+                 f"per exchange. ")
     if rollbacks:
         commits = per_task["begin/commit"] - rollbacks
         text += (f"{rollbacks:.2f} round trips per task are ROLLBACKs, next to {commits:.2f} "

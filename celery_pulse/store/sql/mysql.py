@@ -106,9 +106,11 @@ class MySqlClaims:
         if limited:
             return None
 
+        packet = self._packet_for(reserves)  # asked before: another connection
+
         def body(conn: sa.Connection) -> Exchanged:
             completed, counted = self._complete_in(conn, holder, completions)
-            reserved = self._reserve_in(conn, holder, reserves, ttl)
+            reserved = self._reserve_in(conn, holder, reserves, ttl, packet)
             return Exchanged(completed, reserved, self._start_in(conn, holder, unique, ttl),
                              counted)
 
@@ -135,16 +137,21 @@ class MySqlClaims:
                 ) -> list[Grant | Refusal]:
         if not requests:
             return []
-        return self.conns.atomic("reserve",
-                                 lambda conn: self._reserve_in(conn, holder, requests, ttl))
+        packet = self._packet_for(requests)
+        return self.conns.atomic(
+            "reserve", lambda conn: self._reserve_in(conn, holder, requests, ttl, packet))
 
-    def _reserve_in(self, conn: sa.Connection, holder: str,
-                    requests: Sequence[ReserveRequest], ttl: float) -> list[Grant | Refusal]:
-        """:meth:`reserve` in the caller's transaction."""
+    def _packet_for(self, requests: Sequence[ReserveRequest]) -> int | None:
+        """The bytes of bodies one statement may carry, if any body is big enough to
+        matter (asked of the server once, on a connection of its own)."""
+        big = any(len(r.message.body) > grant_sql.PACKET_HEADROOM // 2 for r in requests)
+        return self.max_message_bytes() if big else None
+
+    def _reserve_in(self, conn: sa.Connection, holder: str, requests: Sequence[ReserveRequest],
+                    ttl: float, packet: int | None) -> list[Grant | Refusal]:
+        """:meth:`reserve` in the caller's transaction (``packet``: :meth:`_packet_for`)."""
         if not requests:
             return []
-        packet = self.max_message_bytes() if any(
-            len(r.message.body) > grant_sql.PACKET_HEADROOM // 2 for r in requests) else None
         out: list[Grant | Refusal | None] = [None] * len(requests)
         for batch in in_rounds(list(enumerate(requests)), lambda item: item[1].task_id):
             for chunk in grant_sql.chunks(batch, packet):
