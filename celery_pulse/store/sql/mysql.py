@@ -12,7 +12,7 @@ not one statement but one transaction that decides under row locks:
    inserted it first, the duplicate-key error rolls everything back and the whole
    decision is taken again (it then sees the other grant, under lock);
 4. what was written is read back under the same locks (MariaDB's ``INSERT .. RETURNING``
-   answers a new claim's grant itself: :mod:`.mysql_grants`), and the transaction
+   answers a new claim's grant itself: :mod:`.mysql_sql`), and the transaction
    commits. A worker's exchange (completions, reservations, starts) is one transaction.
 
 Deadlocks and lock-wait timeouts (1213/1205) roll a transaction back whole; it is run
@@ -52,7 +52,7 @@ from celery_pulse.store.rules import (
     split_starts,
 )
 from celery_pulse.store.rules import rounds as in_rounds
-from celery_pulse.store.sql import mysql_grants as grant_sql
+from celery_pulse.store.sql import mysql_sql as hot_sql
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
     CHUNK,
@@ -85,7 +85,7 @@ class MySqlClaims:
         #: The server's ``max_allowed_packet`` (bytes), once asked.
         self._packet: int | None = None
         self._sql_cache: dict[tuple[str, int], str] = {}
-        self.sql = grant_sql.GrantSql(conns.dialect)
+        self.sql = hot_sql.HotSql(conns.dialect)
 
     def close(self) -> None:
         """Nothing of its own to close (the store disposes of the engine)."""
@@ -131,7 +131,7 @@ class MySqlClaims:
             with translated("max_message_bytes"), self.conns.engine.connect() as conn:
                 self._packet = int(conn.exec_driver_sql(
                     "SELECT @@max_allowed_packet").scalar_one())
-        return max(self._packet - grant_sql.PACKET_HEADROOM, 0) // 2
+        return max(self._packet - hot_sql.PACKET_HEADROOM, 0) // 2
 
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
                 ) -> list[Grant | Refusal]:
@@ -144,7 +144,7 @@ class MySqlClaims:
     def _packet_for(self, requests: Sequence[ReserveRequest]) -> int | None:
         """The bytes of bodies one statement may carry, if any body is big enough to
         matter (asked of the server once, on a connection of its own)."""
-        big = any(len(r.message.body) > grant_sql.PACKET_HEADROOM // 2 for r in requests)
+        big = any(len(r.message.body) > hot_sql.PACKET_HEADROOM // 2 for r in requests)
         return self.max_message_bytes() if big else None
 
     def _reserve_in(self, conn: sa.Connection, holder: str, requests: Sequence[ReserveRequest],
@@ -154,7 +154,7 @@ class MySqlClaims:
             return []
         out: list[Grant | Refusal | None] = [None] * len(requests)
         for batch in in_rounds(list(enumerate(requests)), lambda item: item[1].task_id):
-            for chunk in grant_sql.chunks(batch, packet):
+            for chunk in hot_sql.chunks(batch, packet):
                 answers = self._reserve_locked(conn, holder, [r for _, r in chunk], ttl)
                 for (i, _), answer in zip(chunk, answers, strict=True):
                     out[i] = answer
@@ -164,12 +164,9 @@ class MySqlClaims:
                         requests: list[ReserveRequest], ttl: float) -> list[Grant | Refusal]:
         """Requests of distinct task ids, decided on their rows read under lock."""
         now = self.conns.now
-        current = {r.task_id: r for r in conn.execute(
-            sa.select(claims.c.task_id, claims.c.state, claims.c.holder, claims.c.epoch,
-                      claims.c.attempts, claims.c.max_attempts, claims.c.retries,
-                      claims.c.policy, claims.c.publication,
-                      (claims.c.lease_until <= now).label("expired"))
-            .where(claims.c.task_id.in_([r.task_id for r in requests])).with_for_update())}
+        current = {r.task_id: r for r in conn.exec_driver_sql(
+            self._sql("locked-for-grant", len(requests), self.sql.locked_for_grant),
+            tuple(r.task_id for r in requests))}
         fresh: list[ReserveRequest] = []
         regrants: list[tuple[ReserveRequest, int, int]] = []  # (request, epoch, attempts)
         restarted: list[str] = []
@@ -200,10 +197,10 @@ class MySqlClaims:
         regrants.sort(key=lambda item: item[0].task_id)
         read_back = [r.task_id for r, _, _ in regrants]
         if fresh:
-            params = grant_sql.insert_params(holder, ttl, [(r, 1, 1) for r in fresh])
+            params = hot_sql.insert_params(holder, ttl, [(r, 1, 1) for r in fresh])
             if conn.dialect.is_mariadb:  # type: ignore[attr-defined]
                 # MariaDB answers with the rows it inserted: no read-back for them.
-                answers.update(grant_sql.grants(conn.exec_driver_sql(
+                answers.update(hot_sql.grants(conn.exec_driver_sql(
                     self._sql("reserve-new-returning", len(fresh), self.sql.insert_returning),
                     params)))
             else:
@@ -212,12 +209,12 @@ class MySqlClaims:
                 read_back += [r.task_id for r in fresh]
         if regrants:
             conn.exec_driver_sql(self._sql("reserve-again", len(regrants), self.sql.regrant),
-                                 grant_sql.insert_params(holder, ttl, regrants))
+                                 hot_sql.insert_params(holder, ttl, regrants))
         if restarted:  # a new run of a finished task: no earlier run's checkpoint
             conn.execute(sa.update(claims).where(claims.c.task_id.in_(restarted)).values(
                 dict.fromkeys(CHECKPOINT_COLUMNS)))
         if read_back:
-            answers.update(grant_sql.grants(conn.execute(
+            answers.update(hot_sql.grants(conn.execute(
                 sa.select(claims.c.task_id, claims.c.epoch, claims.c.token,
                           claims.c.lease_until, claims.c.attempts, claims.c.state)
                 .where(claims.c.task_id.in_(read_back)))))
@@ -244,18 +241,18 @@ class MySqlClaims:
     def _start_in(self, conn: sa.Connection, holder: str, leases: Sequence[LeaseKey],
                   ttl: float) -> dict[str, float]:
         """Starts needing no permit, in the caller's transaction."""
-        now = self.conns.now
         started: dict[str, float] = {}
         for i in range(0, len(leases), CHUNK):
-            ids = list(conn.execute(sa.select(claims.c.task_id).where(
-                self._held(holder, leases[i:i + CHUNK], RESERVED)).with_for_update()).scalars())
+            chunk = leases[i:i + CHUNK]
+            ids = [task_id for task_id, in conn.exec_driver_sql(
+                self._sql("locked-for-start", len(chunk), self.sql.locked_for_start),
+                (*(lease[0] for lease in chunk), *(part for lease in chunk for part in lease),
+                 holder, RESERVED))]
             if not ids:
                 continue
-            conn.execute(sa.update(claims).where(claims.c.task_id.in_(ids)).values(
-                state=RUNNING, started_at=now, lease_until=now + ttl))
-            started.update((task_id, float(until)) for task_id, until in conn.execute(
-                sa.select(claims.c.task_id, claims.c.lease_until)
-                .where(claims.c.task_id.in_(ids))))
+            conn.exec_driver_sql(self._sql("start", len(ids), self.sql.start), (ttl, *ids))
+            started.update((task_id, float(until)) for task_id, until in conn.exec_driver_sql(
+                self._sql("leases", len(ids), self.sql.leases), tuple(ids)))
         return started
 
     def renew(self, holder: str, leases: Sequence[LeaseKey], ttl: float
@@ -312,9 +309,9 @@ class MySqlClaims:
     def _complete_locked(self, conn: sa.Connection, holder: str, chunk: list[Completion]
                          ) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
         now = self.conns.now
-        current = {r.task_id: r for r in conn.execute(
-            sa.select(claims.c.task_id, claims.c.epoch, claims.c.token, claims.c.state)
-            .where(claims.c.task_id.in_([c.task_id for c in chunk])).with_for_update())}
+        current = {r.task_id: r for r in conn.exec_driver_sql(
+            self._sql("locked-for-completion", len(chunk), self.sql.locked_for_completion),
+            tuple(c.task_id for c in chunk))}
         groups: dict[tuple[str, str, str | None], list[str]] = {}
         stale: list[Completion] = []
         for c in chunk:
@@ -327,10 +324,8 @@ class MySqlClaims:
                 stale.append(c)
         answers: dict[str, str] = {}
         for (state, outcome, error), ids in groups.items():
-            # A retry reopens the claim for its next delivery: no finished_at.
-            conn.execute(sa.update(claims).where(claims.c.task_id.in_(ids)).values(
-                state=state, outcome=outcome, error=error, token=None, lease_until=None,
-                finished_at=None if state == OPEN else now))
+            conn.exec_driver_sql(self._sql("finish", len(ids), self.sql.finish),
+                                 (state, outcome, error, state != OPEN, *ids))
             answers.update(dict.fromkeys(ids, "applied"))
         mine = [c for c in chunk if c.result is not None and answers.get(c.task_id) == "applied"]
         self.results.write_fenced(conn, [c.result for c in mine if c.result is not None])

@@ -1,8 +1,11 @@
-"""The reservation statements of the MySQL/MariaDB hot path (:mod:`.mysql`).
+"""The statements of the MySQL/MariaDB hot path (:mod:`.mysql`), as text.
 
-A grant is a multi-row ``INSERT`` (an upsert for a claim granted again), with the store's
-clock and a token minted by the server in it; the grants are read back under the
-transaction's locks, or (MariaDB) taken from the ``INSERT``'s own ``RETURNING``.
+They go to the driver as they are (``exec_driver_sql``), built once per row count: what
+SQLAlchemy Core would do per call (build the statement, its cache key, expand the ``IN``
+list) cost more than the driver's round trip. A grant is a multi-row ``INSERT`` (an
+upsert for a claim granted again), with the store's clock and a token minted by the
+server in it; the grants are read back under the transaction's locks, or (MariaDB) taken
+from the ``INSERT``'s own ``RETURNING``.
 """
 
 from __future__ import annotations
@@ -31,11 +34,49 @@ GRANT_COLUMNS = ("task_id", "epoch", "token", "lease_until", "attempts", "state"
 PACKET_HEADROOM = 1 << 20
 
 
-class GrantSql:
+class HotSql:
     """The statements' text, for ``rows`` rows (the caller caches it per size)."""
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
+
+    @staticmethod
+    def _ids(rows: int) -> str:
+        return f"task_id IN ({', '.join(['%s'] * rows)})"
+
+    def locked_for_grant(self, rows: int) -> str:
+        """The claims a reservation decides on, locked; ``expired`` by the store clock."""
+        return ("SELECT task_id, state, holder, epoch, attempts, max_attempts, retries, "
+                f"policy, publication, lease_until <= {self.dialect.clock} AS expired "
+                f"FROM pulse_claims WHERE {self._ids(rows)} FOR UPDATE")
+
+    def locked_for_start(self, rows: int) -> str:
+        """A holder's live reservations among ``rows`` leases, locked (parameters: the
+        ids, the leases' (task_id, epoch, token) flattened, the holder, the state)."""
+        keys = ", ".join(["(%s, %s, %s)"] * rows)
+        return (f"SELECT task_id FROM pulse_claims WHERE {self._ids(rows)} "
+                f"AND (task_id, epoch, token) IN ({keys}) AND holder = %s AND state = %s "
+                f"AND lease_until > {self.dialect.clock} FOR UPDATE")
+
+    def start(self, rows: int) -> str:
+        """Parameters: the ttl, then the ids (locked by :meth:`locked_for_start`)."""
+        now = self.dialect.clock
+        return (f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
+                f"lease_until = {now} + %s WHERE {self._ids(rows)}")
+
+    def leases(self, rows: int) -> str:
+        return f"SELECT task_id, lease_until FROM pulse_claims WHERE {self._ids(rows)}"
+
+    def locked_for_completion(self, rows: int) -> str:
+        return (f"SELECT task_id, epoch, token, state FROM pulse_claims "
+                f"WHERE {self._ids(rows)} FOR UPDATE")
+
+    def finish(self, rows: int) -> str:
+        """Completions of one outcome (parameters: state, outcome, error, whether it
+        finishes, then the ids); a retry reopens the claim: no ``finished_at``."""
+        return ("UPDATE pulse_claims SET state = %s, outcome = %s, error = %s, token = NULL, "
+                f"lease_until = NULL, finished_at = IF(%s, {self.dialect.clock}, NULL) "
+                f"WHERE {self._ids(rows)}")
 
     def insert(self, rows: int) -> str:
         now, token = self.dialect.clock, self.dialect.token
