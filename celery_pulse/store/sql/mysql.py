@@ -77,6 +77,9 @@ class MySqlClaims:
     nonblocking_exchange = False
     folds_permits = False
     pipeline: Pipeline | None = None
+    #: A new claim's grant comes from its ``INSERT .. RETURNING`` (MariaDB 10.5+); MySQL
+    #: has none and reads it back. None: asked of the connection at the first grant.
+    returning_inserts: bool | None = None
 
     def __init__(self, conns: Connections, results: ResultRows) -> None:
         self.conns = conns
@@ -198,8 +201,9 @@ class MySqlClaims:
         read_back = [r.task_id for r, _, _ in regrants]
         if fresh:
             params = hot_sql.insert_params(holder, ttl, [(r, 1, 1) for r in fresh])
-            if conn.dialect.is_mariadb:  # type: ignore[attr-defined]
-                # MariaDB answers with the rows it inserted: no read-back for them.
+            if self.returning_inserts is None:
+                self.returning_inserts = bool(getattr(conn.dialect, "is_mariadb", False))
+            if self.returning_inserts:  # the rows it inserted: no read-back for them
                 answers.update(hot_sql.grants(conn.exec_driver_sql(
                     self._sql("reserve-new-returning", len(fresh), self.sql.insert_returning),
                     params)))
