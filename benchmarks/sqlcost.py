@@ -95,8 +95,8 @@ def normalise_digest(text: str) -> str:
 
 
 #: The columns a MariaDB statement on pulse_claims reads, by the transaction it serves
-#: (``celery_pulse/store/sql/mysql.py``: each operation reads its rows under lock,
-#: writes, then reads back what it wrote).
+#: (``celery_pulse/store/sql/mysql.py``, ``mysql_sql.py``: each operation reads its rows
+#: under lock, writes, then reads back what it wrote).
 _MYSQL_READS = (
     ("TASK_ID, STATE, HOLDER, EPOCH, ATTEMPTS, MAX_ATTEMPTS,", "reserve"),  # locked read
     ("TASK_ID, EPOCH, TOKEN, LEASE_UNTIL, ATTEMPTS, STATE FROM", "reserve"),  # read back
@@ -122,8 +122,8 @@ def classify_mysql(digest: str) -> str:
         columns = re.findall(r"(?:^|, )([A-Z_]+) = ", update.group(1))
         if columns == ["LEASE_UNTIL"]:
             return "renew"
-        if "OUTCOME" in columns and "EPOCH" not in columns and update.group(2).startswith(
-                "PULSE_CLAIMS.TASK_ID IN "):
+        where = update.group(2).removeprefix("PULSE_CLAIMS.")  # Core's, or as text
+        if "OUTCOME" in columns and "EPOCH" not in columns and where.startswith("TASK_ID IN "):
             return "complete"
         if columns[:1] == ["STATE"] and "STARTED_AT" in columns:
             return "start"
