@@ -218,10 +218,8 @@ class MySqlClaims:
             conn.execute(sa.update(claims).where(claims.c.task_id.in_(restarted)).values(
                 dict.fromkeys(CHECKPOINT_COLUMNS)))
         if read_back:
-            answers.update(hot_sql.grants(conn.execute(
-                sa.select(claims.c.task_id, claims.c.epoch, claims.c.token,
-                          claims.c.lease_until, claims.c.attempts, claims.c.state)
-                .where(claims.c.task_id.in_(read_back)))))
+            answers.update(hot_sql.grants(conn.exec_driver_sql(
+                self._sql("granted", len(read_back), self.sql.granted), tuple(read_back))))
         return [answers[r.task_id] for r in requests]
 
     # -- running claims -----------------------------------------------------------------

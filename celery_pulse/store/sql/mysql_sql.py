@@ -85,6 +85,10 @@ class HotSql:
         return (f"INSERT INTO pulse_claims ({', '.join(INSERT_COLUMNS)}) VALUES "
                 + ", ".join([row] * rows))
 
+    def granted(self, rows: int) -> str:
+        """The read-back of grants (:data:`GRANT_COLUMNS`), under the insert's locks."""
+        return f"SELECT {', '.join(GRANT_COLUMNS)} FROM pulse_claims WHERE {self._ids(rows)}"
+
     def insert_returning(self, rows: int) -> str:
         """MariaDB 10.5+ (MySQL has no ``RETURNING``)."""
         return f"{self.insert(rows)} RETURNING {', '.join(GRANT_COLUMNS)}"
@@ -98,7 +102,7 @@ class HotSql:
 
 def insert_params(holder: str, ttl: float, items: list[tuple[ReserveRequest, int, int]]
                   ) -> tuple[Any, ...]:
-    """The parameters of :meth:`GrantSql.insert` for ``(request, epoch, attempts)``."""
+    """The parameters of :meth:`HotSql.insert` for ``(request, epoch, attempts)``."""
     params: list[Any] = []
     for r, epoch, attempts in items:
         params += [r.task_id, r.task_name, RUNNING if r.starts_now else RESERVED, holder, epoch,
