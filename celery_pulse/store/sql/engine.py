@@ -213,6 +213,12 @@ def _mysql_engine(parsed: sa.URL, options: EngineOptions) -> sa.Engine:
                               connect_args=connect_args, pool_reset_on_return=None,
                               **options.pool())
     _track_transactions(engine)
+    if driver in MULTI_STATEMENT_DRIVERS:
+
+        @sa.event.listens_for(engine, "do_connect")
+        def _multi_statements(_dialect: Any, _record: Any, _cargs: Any,
+                              cparams: dict[str, Any]) -> None:
+            cparams["client_flag"] = cparams.get("client_flag", 0) | _CLIENT_MULTI_STATEMENTS
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -237,7 +243,15 @@ def _server_info(dbapi_conn: Any) -> str:
     return str(dbapi_conn.get_server_info())  # PyMySQL, mysqlclient
 
 
-_OPEN = "pulse_transaction_open"
+#: In a pooled connection's ``info``: whether a transaction may be open on it (a
+#: returned connection is rolled back only then).
+TRANSACTION_OPEN = "pulse_transaction_open"
+#: The drivers that interpolate parameters into the statement's text themselves, so one
+#: call may carry several statements (:mod:`.mysql_packet`); their connections are
+#: opened with ``CLIENT_MULTI_STATEMENTS``.
+MULTI_STATEMENT_DRIVERS = ("pymysql", "mysqldb")
+#: The MySQL protocol's capability flag for several statements in one query.
+_CLIENT_MULTI_STATEMENTS = 1 << 16
 
 
 def _track_transactions(engine: sa.Engine) -> None:
@@ -245,20 +259,20 @@ def _track_transactions(engine: sa.Engine) -> None:
 
     @sa.event.listens_for(engine, "begin")
     def _began(conn: sa.Connection) -> None:
-        conn.connection.info[_OPEN] = True
+        conn.connection.info[TRANSACTION_OPEN] = True
 
     @sa.event.listens_for(engine, "commit")
     @sa.event.listens_for(engine, "rollback")
     def _ended(conn: sa.Connection) -> None:
-        conn.connection.info[_OPEN] = False
+        conn.connection.info[TRANSACTION_OPEN] = False
 
     @sa.event.listens_for(engine, "reset")
     def _on_reset(dbapi_conn: Any, record: Any, _state: Any) -> None:
         info = getattr(record, "info", None)
-        if info is None or info.get(_OPEN, True):  # unknown (e.g. garbage-collected): roll back
+        if info is None or info.get(TRANSACTION_OPEN, True):  # unknown (e.g. garbage-collected): roll back
             dbapi_conn.rollback()
             if info is not None:
-                info[_OPEN] = False
+                info[TRANSACTION_OPEN] = False
 
 
 def _sqlite_engine(parsed: sa.URL) -> sa.Engine:

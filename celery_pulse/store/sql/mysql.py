@@ -25,7 +25,7 @@ reported as :class:`~celery_pulse.errors.Contended`, never as an outage or a los
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 
@@ -52,6 +52,7 @@ from celery_pulse.store.rules import (
     split_starts,
 )
 from celery_pulse.store.rules import rounds as in_rounds
+from celery_pulse.store.sql import mysql_packet
 from celery_pulse.store.sql import mysql_sql as hot_sql
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
@@ -63,6 +64,7 @@ from celery_pulse.store.sql.claim_rows import (
 )
 from celery_pulse.store.sql.claim_rows import claimable as is_claimable
 from celery_pulse.store.sql.connections import Connections
+from celery_pulse.store.sql.engine import MULTI_STATEMENT_DRIVERS
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.results import ResultRows
 from celery_pulse.store.sql.tables import CHECKPOINT_COLUMNS, claims
@@ -89,6 +91,9 @@ class MySqlClaims:
         self._packet: int | None = None
         self._sql_cache: dict[tuple[str, int], str] = {}
         self.sql = hot_sql.HotSql(conns.dialect)
+        #: The usual exchange in one round trip, where the driver can send it.
+        self.packet = (mysql_packet.OnePacket(conns, self.sql)
+                       if conns.engine.dialect.driver in MULTI_STATEMENT_DRIVERS else None)
 
     def close(self) -> None:
         """Nothing of its own to close (the store disposes of the engine)."""
@@ -110,6 +115,9 @@ class MySqlClaims:
             return None
 
         packet = self._packet_for(reserves)  # asked before: another connection
+        done = self._one_packet(holder, ttl, completions, reserves, unique, packet)
+        if done is not None:
+            return done
 
         def body(conn: sa.Connection) -> Exchanged:
             completed, counted = self._complete_in(conn, holder, completions)
@@ -124,6 +132,24 @@ class MySqlClaims:
                        permits: Mapping[str, Sequence[Permit]] | None = None
                        ) -> PendingExchange | None:
         return None
+
+    def _one_packet(self, holder: str, ttl: float, completions: Sequence[Completion],
+                    reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+                    packet: int | None) -> Exchanged | None:
+        """The exchange in one round trip (:mod:`.mysql_packet`), if it is a usual one
+        and the driver can send it; None: for the general path, nothing done."""
+        if self.packet is None or not mysql_packet.fits(completions, reserves, starts, packet):
+            return None
+        return self.packet.exchange(holder, ttl, completions, reserves, starts,
+                                    self._returning)
+
+    def _returning(self) -> bool:
+        """Whether a new claim's grant comes from its ``INSERT`` (asked once, of a
+        dialect that has connected)."""
+        if self.returning_inserts is None:
+            self.returning_inserts = bool(getattr(self.conns.engine.dialect, "is_mariadb",
+                                                  False))
+        return self.returning_inserts
 
     # -- reservations -------------------------------------------------------------------
     def max_message_bytes(self) -> int | None:
@@ -141,6 +167,9 @@ class MySqlClaims:
         if not requests:
             return []
         packet = self._packet_for(requests)
+        done = self._one_packet(holder, ttl, [], requests, [], packet)
+        if done is not None:
+            return cast("list[Grant | Refusal]", list(done.reserved))  # never an error here
         return self.conns.atomic(
             "reserve", lambda conn: self._reserve_in(conn, holder, requests, ttl, packet))
 
@@ -201,9 +230,7 @@ class MySqlClaims:
         read_back = [r.task_id for r, _, _ in regrants]
         if fresh:
             params = hot_sql.insert_params(holder, ttl, [(r, 1, 1) for r in fresh])
-            if self.returning_inserts is None:
-                self.returning_inserts = bool(getattr(conn.dialect, "is_mariadb", False))
-            if self.returning_inserts:  # the rows it inserted: no read-back for them
+            if self._returning():  # the rows it inserted: no read-back for them
                 answers.update(hot_sql.grants(conn.exec_driver_sql(
                     self._sql("reserve-new-returning", len(fresh), self.sql.insert_returning),
                     params)))
@@ -235,7 +262,10 @@ class MySqlClaims:
         limited, unique = split_starts(permits, leases)
         started = permits_sql.start_limited(self.conns, holder, limited, ttl, permits or {},
                                             waiting)
-        if unique:
+        done = self._one_packet(holder, ttl, [], [], unique, None)
+        if done is not None:
+            started.update(done.started)
+        elif unique:
             started.update(self.conns.atomic(
                 "start", lambda conn: self._start_in(conn, holder, unique, ttl)))
         return started
@@ -289,6 +319,9 @@ class MySqlClaims:
     def complete(self, holder: str, completions: Sequence[Completion],
                  counted: dict[str, tuple[int, str]] | None = None) -> dict[str, str]:
         """As on PostgreSQL (see the contract); applied in statements per outcome."""
+        done = self._one_packet(holder, 0.0, completions, [], [], None)
+        if done is not None:
+            return cast("dict[str, str]", dict(done.completed))  # never an error here
         out, counts = self.conns.atomic(
             "complete", lambda conn: self._complete_in(conn, holder, completions))
         if counted is not None:
