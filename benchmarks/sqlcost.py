@@ -9,10 +9,12 @@ worker (RabbitMQ, ``-c 2``), so that nobody else's statements are counted:
   counted by the worker (``exchanges`` in its stats); every other statement is one
   round trip.
 * MariaDB, with the Performance Schema on: every statement is counted by its digest
-  (``events_statements_summary_by_digest``, COMMIT and ROLLBACK included). PyMySQL
-  neither pipelines nor batches statements, so every statement is a round trip of its
-  own; requests that are not statements (a ping, say) are added from the worker's
-  user's counts by command (``events_statements_summary_by_user_by_event_name``).
+  (``events_statements_summary_by_digest``, COMMIT and ROLLBACK included). Every
+  statement is a round trip of its own but for those the usual exchange sends together
+  in one multi-statement packet, counted by the worker (``packets`` and
+  ``packet_statements`` in its stats); requests that are not statements (a ping, say)
+  are added from the worker's user's counts by command
+  (``events_statements_summary_by_user_by_event_name``).
 
 The reads of each server come from a monitoring user of their own, left out of the
 counts. Three windows, each after a stats reset:
@@ -377,8 +379,11 @@ def measure(scratch: infra.Scratch, quick: bool, stats: PgStats | MariaDBStats,
         # pipelined); every other statement is a round trip of its own.
         round_trips = exchanges + sum(v["calls"] for k, v in load.items()
                                       if k not in TASK_KINDS)
-    else:  # one statement (or other request), one round trip
-        round_trips = sum(v["calls"] for v in load.values())
+    else:  # one statement (or other request), one round trip, but for those a packet
+        # carried together (MariaDB's usual exchange: the worker counts them)
+        carried = counts1.get("packet_statements", 0) - counts0.get("packet_statements", 0)
+        packets = counts1.get("packets", 0) - counts0.get("packets", 0)
+        round_trips = sum(v["calls"] for v in load.values()) - carried + packets
 
     def rollbacks(rows: list[dict[str, Any]]) -> float:
         return float(sum(r["calls"] for r in rows

@@ -114,6 +114,11 @@ class ClaimStore(abc.ABC):
     #: task then starts as a plain one does, with no start of its own.
     folds_permits: bool = False
 
+    def hot_path_counts(self) -> Mapping[str, int]:
+        """What the hot path sent the store, by name, for the worker's stats: where one
+        round trip carries several statements, how many of each (empty: nothing to say)."""
+        return {}
+
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest],
                  starts: Sequence[tuple[str, int, str]],

@@ -391,7 +391,7 @@ class PulseWorker:
                        "contended": counters.contended, "checkpoints": counters.checkpoints,
                        "exchanges": counters.exchanges,
                        "exchanged_ops": counters.exchanged_ops,
-                       "rejected": counters.rejected},
+                       "rejected": counters.rejected, **self.store.hot_path_counts()},
             "recover": dict(self.recoverer.counts), "retention": self.recoverer.retention_stats(),
             "leader": None if self.elector is None else {
                 "key": BEAT_KEY, "is_leader": self.elector.is_leader,

@@ -43,6 +43,8 @@ class ClaimEngine(Protocol):
     folds_permits: bool
     #: PostgreSQL's pipelined connection (None elsewhere).
     pipeline: Pipeline | None
+    #: What the hot path sent, by name (:meth:`ClaimStore.hot_path_counts`).
+    counts: Mapping[str, int]
 
     def max_message_bytes(self) -> int | None: ...
 

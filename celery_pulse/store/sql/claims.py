@@ -12,6 +12,7 @@ import functools
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
@@ -63,6 +64,7 @@ class BatchClaims:
     #: The results of the ``pulse://`` backend are written by the completion's own
     #: statement (PostgreSQL), not beside it in its transaction.
     results_in_statement = False
+    counts: Mapping[str, int] = MappingProxyType({})
 
     def __init__(self, conns: Connections, results: ResultRows) -> None:
         self.conns = conns

@@ -94,6 +94,7 @@ class MySqlClaims:
         #: The usual exchange in one round trip, where the driver can send it.
         self.packet = (mysql_packet.OnePacket(conns, self.sql)
                        if conns.engine.dialect.driver in MULTI_STATEMENT_DRIVERS else None)
+        self.counts: Mapping[str, int] = self.packet.counts if self.packet else {}
 
     def close(self) -> None:
         """Nothing of its own to close (the store disposes of the engine)."""

@@ -148,6 +148,9 @@ class OnePacket:
         self.conns = conns
         self.sql = PacketSql(hot)
         self.dbapi: Any = conns.engine.dialect.loaded_dbapi
+        #: Packets committed and the statements they carried (``COMMIT`` included), and
+        #: packets refused: the worker's stats show them (the benchmarks' round trips).
+        self.counts = {"packets": 0, "packet_statements": 0, "packets_refused": 0}
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
@@ -158,7 +161,10 @@ class OnePacket:
             packet = self._packet(holder, ttl, completions, reserves, starts, returning())
             sets = self._run(raw, packet)
             if sets is None:
+                self.counts["packets_refused"] += 1
                 return None
+            self.counts["packets"] += 1
+            self.counts["packet_statements"] += len(packet.texts)
         finally:
             raw.close()
         got = dict(zip(packet.reads, sets, strict=True))

@@ -87,6 +87,9 @@ class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlViews, SqlRecover, SqlReviews, Sq
 
         return SqlGatewayState(self.engine)
 
+    def hot_path_counts(self) -> Mapping[str, int]:
+        return dict(self.claims.counts)
+
     @property
     def url(self) -> str:
         return mask_url(self.engine.url.render_as_string(hide_password=False))
