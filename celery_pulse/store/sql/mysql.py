@@ -15,6 +15,11 @@ not one statement but one transaction that decides under row locks:
    answers a new claim's grant itself: :mod:`.mysql_sql`), and the transaction
    commits. A worker's exchange (completions, reservations, starts) is one transaction.
 
+A usual exchange needs none of those decisions made in Python: its statements, each
+with its rule in its ``WHERE``, go with their COMMIT in one packet
+(:mod:`.mysql_packet`); what the packet cannot carry, or the server refuses in it, comes
+here.
+
 Deadlocks and lock-wait timeouts (1213/1205) roll a transaction back whole; it is run
 again a few times (every one here is safe to repeat: nothing of it committed), then
 reported as :class:`~celery_pulse.errors.Contended`, never as an outage or a lost lease
