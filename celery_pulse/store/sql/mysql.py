@@ -29,7 +29,7 @@ reported as :class:`~celery_pulse.errors.Contended`, never as an outage or a los
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
@@ -94,7 +94,6 @@ class MySqlClaims:
         self.results = results
         #: The server's ``max_allowed_packet`` (bytes), once asked.
         self._packet: int | None = None
-        self._sql_cache: dict[tuple[str, int], str] = {}
         self.sql = hot_sql.HotSql(conns.dialect)
         #: The usual exchange in one round trip, where the driver can send it.
         self.packet = (mysql_packet.OnePacket(conns, self.sql)
@@ -103,12 +102,6 @@ class MySqlClaims:
 
     def close(self) -> None:
         """Nothing of its own to close (the store disposes of the engine)."""
-
-    def _sql(self, kind: str, rows: int, build: Callable[[int], str]) -> str:
-        cached = self._sql_cache.get((kind, rows))
-        if cached is None:
-            cached = self._sql_cache[(kind, rows)] = build(rows)
-        return cached
 
     def exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
                  reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
@@ -203,7 +196,7 @@ class MySqlClaims:
         """Requests of distinct task ids, decided on their rows read under lock."""
         now = self.conns.now
         current = {r.task_id: r for r in conn.exec_driver_sql(
-            self._sql("locked-for-grant", len(requests), self.sql.locked_for_grant),
+            self.sql.text("locked_for_grant", len(requests)),
             tuple(r.task_id for r in requests))}
         fresh: list[ReserveRequest] = []
         regrants: list[tuple[ReserveRequest, int, int]] = []  # (request, epoch, attempts)
@@ -238,21 +231,21 @@ class MySqlClaims:
             params = hot_sql.insert_params(holder, ttl, [(r, 1, 1) for r in fresh])
             if self._returning():  # the rows it inserted: no read-back for them
                 answers.update(hot_sql.grants(conn.exec_driver_sql(
-                    self._sql("reserve-new-returning", len(fresh), self.sql.insert_returning),
+                    self.sql.text("insert_returning", len(fresh)),
                     params)))
             else:
-                conn.exec_driver_sql(self._sql("reserve-new", len(fresh), self.sql.insert),
+                conn.exec_driver_sql(self.sql.text("insert", len(fresh)),
                                      params)
                 read_back += [r.task_id for r in fresh]
         if regrants:
-            conn.exec_driver_sql(self._sql("reserve-again", len(regrants), self.sql.regrant),
+            conn.exec_driver_sql(self.sql.text("regrant", len(regrants)),
                                  hot_sql.insert_params(holder, ttl, regrants))
         if restarted:  # a new run of a finished task: no earlier run's checkpoint
             conn.execute(sa.update(claims).where(claims.c.task_id.in_(restarted)).values(
                 dict.fromkeys(CHECKPOINT_COLUMNS)))
         if read_back:
             answers.update(hot_sql.grants(conn.exec_driver_sql(
-                self._sql("granted", len(read_back), self.sql.granted), tuple(read_back))))
+                self.sql.text("granted", len(read_back)), tuple(read_back))))
         return [answers[r.task_id] for r in requests]
 
     # -- running claims -----------------------------------------------------------------
@@ -283,14 +276,14 @@ class MySqlClaims:
         for i in range(0, len(leases), CHUNK):
             chunk = leases[i:i + CHUNK]
             ids = [task_id for task_id, in conn.exec_driver_sql(
-                self._sql("locked-for-start", len(chunk), self.sql.locked_for_start),
+                self.sql.text("locked_for_start", len(chunk)),
                 (*(lease[0] for lease in chunk), *(part for lease in chunk for part in lease),
                  holder, RESERVED))]
             if not ids:
                 continue
-            conn.exec_driver_sql(self._sql("start", len(ids), self.sql.start), (ttl, *ids))
+            conn.exec_driver_sql(self.sql.text("start", len(ids)), (ttl, *ids))
             started.update((task_id, float(until)) for task_id, until in conn.exec_driver_sql(
-                self._sql("leases", len(ids), self.sql.leases), tuple(ids)))
+                self.sql.text("leases", len(ids)), tuple(ids)))
         return started
 
     def renew(self, holder: str, leases: Sequence[LeaseKey], ttl: float
@@ -351,7 +344,7 @@ class MySqlClaims:
                          ) -> tuple[dict[str, str], dict[str, tuple[int, str]]]:
         now = self.conns.now
         current = {r.task_id: r for r in conn.exec_driver_sql(
-            self._sql("locked-for-completion", len(chunk), self.sql.locked_for_completion),
+            self.sql.text("locked_for_completion", len(chunk)),
             tuple(c.task_id for c in chunk))}
         groups: dict[tuple[str, str, str | None], list[str]] = {}
         stale: list[Completion] = []
@@ -365,7 +358,7 @@ class MySqlClaims:
                 stale.append(c)
         answers: dict[str, str] = {}
         for (state, outcome, error), ids in groups.items():
-            conn.exec_driver_sql(self._sql("finish", len(ids), self.sql.finish),
+            conn.exec_driver_sql(self.sql.text("finish", len(ids)),
                                  (state, outcome, error, state != OPEN, *ids))
             answers.update(dict.fromkeys(ids, "applied"))
         mine = [c for c in chunk if c.result is not None and answers.get(c.task_id) == "applied"]

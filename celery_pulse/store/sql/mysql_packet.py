@@ -51,73 +51,11 @@ from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.engine import TRANSACTION_OPEN
 from celery_pulse.store.sql.errors import translate
 
-_LIVE = f"'{RESERVED}', '{RUNNING}'"
-
-
-class PacketSql:
-    """The statements only the packet uses (text, per row count, cached)."""
-
-    def __init__(self, hot: hot_sql.HotSql) -> None:
-        self.hot = hot
-        self.clock = hot.dialect.clock
-        self._cache: dict[tuple[str, int], str] = {}
-
-    def text(self, kind: str, rows: int) -> str:
-        cached = self._cache.get((kind, rows))
-        if cached is None:
-            cached = self._cache[(kind, rows)] = getattr(self, kind)(rows)
-        return cached
-
-    @staticmethod
-    def _keys(rows: int) -> str:
-        return f"(task_id, epoch, token) IN ({', '.join(['(%s, %s, %s)'] * rows)})"
-
-    def locked_for_completion(self, rows: int) -> str:
-        return self.hot.locked_for_completion(rows)
-
-    def evidence(self, rows: int) -> str:
-        """Per completion (task_id, epoch, holder, outcome, error, returned, then task_id,
-        epoch, the outcome's state, token): its evidence, if its claim neither is live
-        under its lease nor holds its outcome under its epoch."""
-        one = (f"SELECT %s, %s, %s, %s, %s, {self.clock}, %s FROM DUAL WHERE NOT EXISTS ("
-               "SELECT 1 FROM pulse_claims WHERE task_id = %s AND epoch = %s AND "
-               f"(state = %s OR (token = %s AND state IN ({_LIVE}))))")
-        return ("INSERT INTO pulse_evidence (task_id, epoch, holder, outcome, error, "
-                "recorded_at, result) " + " UNION ALL ".join([one] * rows))
-
-    def finish(self, rows: int) -> str:
-        """:meth:`.HotSql.finish`, then the leases' (task_id, epoch, token) flattened."""
-        return f"{self.hot.finish(rows)} AND {self._keys(rows)} AND state IN ({_LIVE})"
-
-    def insert(self, rows: int) -> str:
-        return self.hot.insert(rows)
-
-    def insert_returning(self, rows: int) -> str:
-        return self.hot.insert_returning(rows)
-
-    def granted(self, rows: int) -> str:
-        return self.hot.granted(rows)
-
-    def locked_for_start(self, rows: int) -> str:
-        return self.hot.locked_for_start(rows)
-
-    def start(self, rows: int) -> str:
-        """The ttl, then :meth:`.HotSql.locked_for_start`'s parameters."""
-        now = self.clock
-        ids = ", ".join(["%s"] * rows)
-        return (f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
-                f"lease_until = {now} + %s WHERE task_id IN ({ids}) AND {self._keys(rows)} "
-                f"AND holder = %s AND state = %s AND lease_until > {now}")
-
-    def started(self, rows: int) -> str:
-        ids = ", ".join(["%s"] * rows)
-        return f"SELECT task_id, state, lease_until FROM pulse_claims WHERE task_id IN ({ids})"
-
 
 class _Packet:
     """Statements, their parameters, and which result sets are read (by name)."""
 
-    def __init__(self, sql: PacketSql) -> None:
+    def __init__(self, sql: hot_sql.HotSql) -> None:
         self.sql = sql
         self.texts: list[str] = []
         self.params: list[Any] = []
@@ -146,7 +84,7 @@ class OnePacket:
 
     def __init__(self, conns: Connections, hot: hot_sql.HotSql) -> None:
         self.conns = conns
-        self.sql = PacketSql(hot)
+        self.sql = hot
         self.dbapi: Any = conns.engine.dialect.loaded_dbapi
         #: Packets committed and the statements they carried (``COMMIT`` included), and
         #: packets refused: the worker's stats show them (the benchmarks' round trips).
@@ -190,7 +128,7 @@ class OnePacket:
                 groups.setdefault((state, c.outcome, c.error), []).append(c)
             packet.add("evidence", rows, evidence)
             for (state, outcome, error), group in groups.items():
-                packet.add("finish", len(group), [
+                packet.add("finish_fenced", len(group), [
                     state, outcome, error, state != OPEN, *(c.task_id for c in group),
                     *(part for c in group for part in (c.task_id, c.epoch, c.token))])
         if reserves:
@@ -206,7 +144,7 @@ class OnePacket:
             ids = [lease[0] for lease in starts]
             rule = [*ids, *(part for lease in starts for part in lease), holder, RESERVED]
             packet.add("locked_for_start", rows, rule, "locked")
-            packet.add("start", rows, [ttl, *rule])
+            packet.add("start_fenced", rows, [ttl, *rule])
             packet.add("started", rows, ids, "started")
         packet.texts.append("COMMIT")
         packet.reads.append("")

@@ -1,4 +1,4 @@
-"""The statements of the MySQL/MariaDB hot path (:mod:`.mysql`), as text.
+"""The statements of the MySQL/MariaDB hot path (:mod:`.mysql`, :mod:`.mysql_packet`), as text.
 
 They go to the driver as they are (``exec_driver_sql``), built once per row count: what
 SQLAlchemy Core would do per call (build the statement, its cache key, expand the ``IN``
@@ -34,11 +34,26 @@ GRANT_COLUMNS = ("task_id", "epoch", "token", "lease_until", "attempts", "state"
 PACKET_HEADROOM = 1 << 20
 
 
+_LIVE = f"'{RESERVED}', '{RUNNING}'"
+
+
 class HotSql:
-    """The statements' text, for ``rows`` rows (the caller caches it per size)."""
+    """The statements' text, for ``rows`` rows: :meth:`text` builds each once per size."""
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self._cache: dict[tuple[str, int], str] = {}
+
+    def text(self, kind: str, rows: int) -> str:
+        """The statement built by the method named ``kind``, for ``rows`` rows."""
+        cached = self._cache.get((kind, rows))
+        if cached is None:
+            cached = self._cache[(kind, rows)] = getattr(self, kind)(rows)
+        return cached
+
+    @staticmethod
+    def _keys(rows: int) -> str:
+        return f"(task_id, epoch, token) IN ({', '.join(['(%s, %s, %s)'] * rows)})"
 
     @staticmethod
     def _ids(rows: int) -> str:
@@ -53,10 +68,20 @@ class HotSql:
     def locked_for_start(self, rows: int) -> str:
         """A holder's live reservations among ``rows`` leases, locked (parameters: the
         ids, the leases' (task_id, epoch, token) flattened, the holder, the state)."""
-        keys = ", ".join(["(%s, %s, %s)"] * rows)
         return (f"SELECT task_id FROM pulse_claims WHERE {self._ids(rows)} "
-                f"AND (task_id, epoch, token) IN ({keys}) AND holder = %s AND state = %s "
+                f"AND {self._keys(rows)} AND holder = %s AND state = %s "
                 f"AND lease_until > {self.dialect.clock} FOR UPDATE")
+
+    def start_fenced(self, rows: int) -> str:
+        """The start under :meth:`locked_for_start`'s rule (parameters: the ttl, then
+        its parameters), for a packet that cannot wait for the locked read's answer."""
+        now = self.dialect.clock
+        return (f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
+                f"lease_until = {now} + %s WHERE {self._ids(rows)} AND {self._keys(rows)} "
+                f"AND holder = %s AND state = %s AND lease_until > {now}")
+
+    def started(self, rows: int) -> str:
+        return f"SELECT task_id, state, lease_until FROM pulse_claims WHERE {self._ids(rows)}"
 
     def start(self, rows: int) -> str:
         """Parameters: the ttl, then the ids (locked by :meth:`locked_for_start`)."""
@@ -77,6 +102,22 @@ class HotSql:
         return ("UPDATE pulse_claims SET state = %s, outcome = %s, error = %s, token = NULL, "
                 f"lease_until = NULL, finished_at = IF(%s, {self.dialect.clock}, NULL) "
                 f"WHERE {self._ids(rows)}")
+
+    def finish_fenced(self, rows: int) -> str:
+        """:meth:`finish`, then the leases' (task_id, epoch, token) flattened: only what
+        :meth:`locked_for_completion` found live under that lease."""
+        return f"{self.finish(rows)} AND {self._keys(rows)} AND state IN ({_LIVE})"
+
+    def evidence(self, rows: int) -> str:
+        """Per completion (task_id, epoch, holder, outcome, error, returned, then task_id,
+        epoch, the outcome's state, token): its evidence row, if its claim neither is
+        live under its lease nor holds its outcome under its epoch
+        (:func:`.claim_rows.stale_answers`'s rule, on rows locked before)."""
+        one = (f"SELECT %s, %s, %s, %s, %s, {self.dialect.clock}, %s FROM DUAL WHERE NOT "
+               "EXISTS (SELECT 1 FROM pulse_claims WHERE task_id = %s AND epoch = %s AND "
+               f"(state = %s OR (token = %s AND state IN ({_LIVE}))))")
+        return ("INSERT INTO pulse_evidence (task_id, epoch, holder, outcome, error, "
+                "recorded_at, result) " + " UNION ALL ".join([one] * rows))
 
     def insert(self, rows: int) -> str:
         now, token = self.dialect.clock, self.dialect.token
