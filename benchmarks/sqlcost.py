@@ -207,7 +207,8 @@ class MariaDBStats:
     """
 
     store = "mariadb"
-    #: Every statement is a round trip of its own (PyMySQL sends one at a time).
+    #: A statement is a round trip of its own, but for those a packet carried together
+    #: (counted by the worker: :func:`measure`).
     pipelined = False
 
     def __init__(self, server: infra.PrivateMariaDB) -> None:

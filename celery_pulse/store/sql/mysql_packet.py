@@ -73,7 +73,7 @@ def fits(completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
     most = max(len(completions), len(reserves), len(starts))
     if packet is not None or not 0 < most <= CHUNK:
         return False
-    if any(c.result is not None for c in completions):  # results are written by rows.py
+    if any(c.result is not None for c in completions):  # written beside it: results.py
         return False
     return (len({c.task_id for c in completions}) == len(completions)
             and len({r.task_id for r in reserves}) == len(reserves))
