@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from celery_pulse.errors import StoreUnavailable
 from celery_pulse.store.base import FAILED, RETRY, RUNNING, SUCCEEDED, Completion, Grant
 from celery_pulse.store.sql import SqlStore, open_store
 from celery_pulse.store.sql.mysql import MySqlClaims
@@ -25,6 +26,7 @@ from tests.contract.conftest import migrated
 from tests.contract.test_claims_contract import TTL, W1, W2, grant, request
 from tests.helpers import services
 from tests.helpers.mariadb import Database
+from tests.helpers.proxy import Proxy
 
 pytestmark = pytest.mark.mariadb
 
@@ -150,6 +152,29 @@ def test_a_refused_packet_leaves_nothing_and_the_general_path_decides(
     runs.clear()
     assert isinstance(store.reserve(W1, [request()], TTL)[0], Grant)
     assert runs == [True]
+
+
+def test_a_store_gone_mid_run_is_unavailable_not_a_crash(mariadb_url: str,
+                                                         runs: list[bool]) -> None:
+    """Its pooled connection cut, then no connection to be had at all: both are the
+    store being unavailable (the worker self-fences), never a driver error."""
+    migrated(mariadb_url).close()
+    server = sa.make_url(mariadb_url)
+    proxy = Proxy(server.port or 3306, server.host or "127.0.0.1")
+    through = server.set(host="127.0.0.1", port=proxy.port)
+    store = open_store(through.render_as_string(hide_password=False), check_schema=False)
+    try:
+        assert isinstance(store.reserve(W1, [request()], TTL)[0], Grant)
+        assert runs == [True]
+        proxy.cut()  # the pooled connection dropped under the packet
+        with pytest.raises(StoreUnavailable):
+            store.exchange(W1, TTL, [], [request()], [])
+        proxy.close()  # and now no connection to be had
+        with pytest.raises(StoreUnavailable):
+            store.exchange(W1, TTL, [], [request()], [])
+    finally:
+        store.close()
+        proxy.close()
 
 
 @pytest.mark.parametrize("driver", ["pymysql", "mysqldb", "mariadbconnector"])

@@ -73,6 +73,10 @@ class Proxy:
         return len(pairs)
 
     def close(self) -> None:
+        """Let no new connection through (the listener shut down: a blocked accept ends,
+        so nothing is accepted after this) and drop every connection."""
         self._flowing.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self.cut()

@@ -49,7 +49,7 @@ from celery_pulse.store.sql import mysql_sql as hot_sql
 from celery_pulse.store.sql.claim_rows import CHUNK
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.engine import TRANSACTION_OPEN
-from celery_pulse.store.sql.errors import translate
+from celery_pulse.store.sql.errors import translate, translated
 
 
 class _Packet:
@@ -94,7 +94,11 @@ class OnePacket:
                  reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
                  returning: Callable[[], bool]) -> Exchanged | None:
         """The exchange made, or None: it was rolled back, for the general path."""
-        raw = self.conns.engine.raw_connection()
+        with translated("exchange"):  # the pool's own errors (exhausted)
+            try:
+                raw = self.conns.engine.raw_connection()
+            except self.dbapi.Error as exc:  # no connection to be had: the store is down
+                raise _lost(exc) from exc
         try:
             packet = self._packet(holder, ttl, completions, reserves, starts, returning())
             sets = self._run(raw, packet)
@@ -167,14 +171,17 @@ class OnePacket:
                 raw.rollback()
             except self.dbapi.Error:  # the connection is gone: so is the store, for now
                 raw.invalidate()
-                error = translate(exc, "exchange", True)
-                if error is None:
-                    raise
-                raise error from exc
+                raise _lost(exc) from exc
             raw.info[TRANSACTION_OPEN] = False
             return None
         raw.info[TRANSACTION_OPEN] = False
         return sets
+
+
+def _lost(exc: Exception) -> Exception:
+    """The pulse error for a driver error met with the connection lost (``exc`` itself
+    if it is none of pulse's: a bug)."""
+    return translate(exc, "exchange", True) or exc
 
 
 def _completed(completions: Sequence[Completion], locked: Sequence[Any]) -> dict[str, str]:
