@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from celery_pulse.store import rules
 from celery_pulse.store.base import (
     FAILED,
+    LIVE_STATES,
     RUNNING,
     Completion,
     Grant,
@@ -32,6 +33,17 @@ from celery_pulse.store.sql.tables import claims, evidence
 
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
 CHUNK = 500
+
+
+def applies(c: Completion, epoch: Any, token: str | None, state: str) -> bool:
+    """Whether ``c`` is applied to its claim as read under lock: live under its lease."""
+    return int(epoch) == c.epoch and token == c.token and state in LIVE_STATES
+
+
+def repeats(c: Completion, epoch: Any, state: str) -> bool:
+    """Whether a completion that did not apply is ``duplicate``: its claim already holds
+    its outcome under its epoch (else it is ``evidence``)."""
+    return int(epoch) == c.epoch and state == OUTCOME_STATE[c.outcome]
 
 
 def claimable(row: Any) -> bool:
@@ -111,7 +123,7 @@ def stale_answers(conn: sa.Connection, holder: str, stale: list[Completion], now
     evidence_rows = []
     for c in stale:
         row = current.get(c.task_id)
-        if row is not None and int(row.epoch) == c.epoch and row.state == OUTCOME_STATE[c.outcome]:
+        if row is not None and repeats(c, row.epoch, row.state):
             out[c.task_id] = "duplicate"
             continue
         out[c.task_id] = "evidence"

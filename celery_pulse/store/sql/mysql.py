@@ -38,7 +38,6 @@ from celery_pulse.store.base import (
     LIVE_STATES,
     OPEN,
     RESERVED,
-    RUNNING,
     TERMINAL_STATES,
     Completion,
     Exchanged,
@@ -62,6 +61,7 @@ from celery_pulse.store.sql import mysql_sql as hot_sql
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql.claim_rows import (
     CHUNK,
+    applies,
     best,
     exhaust,
     lease_key_in,
@@ -350,8 +350,7 @@ class MySqlClaims:
         stale: list[Completion] = []
         for c in chunk:
             row = current.get(c.task_id)
-            if row is not None and int(row.epoch) == c.epoch and row.token == c.token and (
-                    row.state in (RESERVED, RUNNING)):
+            if row is not None and applies(c, row.epoch, row.token, row.state):
                 groups.setdefault((OUTCOME_STATE[c.outcome], c.outcome, c.error),
                                   []).append(c.task_id)
             else:

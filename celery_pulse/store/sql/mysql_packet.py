@@ -46,7 +46,7 @@ from celery_pulse.store.base import (
 )
 from celery_pulse.store.rules import OUTCOME_STATE
 from celery_pulse.store.sql import mysql_sql as hot_sql
-from celery_pulse.store.sql.claim_rows import CHUNK
+from celery_pulse.store.sql.claim_rows import CHUNK, applies, repeats
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.engine import TRANSACTION_OPEN
 from celery_pulse.store.sql.errors import translate, translated
@@ -186,14 +186,13 @@ def _lost(exc: Exception) -> Exception:
 
 def _completed(completions: Sequence[Completion], locked: Sequence[Any]) -> dict[str, str]:
     """Each completion's answer, by the rule the packet's statements applied."""
-    rows = {row[0]: row for row in locked}
+    rows = {task_id: (epoch, token, state) for task_id, epoch, token, state in locked}
     out: dict[str, str] = {}
     for c in completions:
         row = rows.get(c.task_id)
-        if row is not None and int(row[1]) == c.epoch and row[2] == c.token and (
-                row[3] in (RESERVED, RUNNING)):
+        if row is not None and applies(c, *row):
             out[c.task_id] = "applied"
-        elif row is not None and int(row[1]) == c.epoch and row[3] == OUTCOME_STATE[c.outcome]:
+        elif row is not None and repeats(c, row[0], row[2]):
             out[c.task_id] = "duplicate"
         else:
             out[c.task_id] = "evidence"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_pulse.store.base import RESERVED, RUNNING, Grant, ReserveRequest
+from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, Grant, ReserveRequest
 from celery_pulse.store.rules import queue_of
 from celery_pulse.store.sql.claim_rows import CHUNK, dumps
 from celery_pulse.store.sql.dialect import Dialect
@@ -32,9 +32,8 @@ GRANT_COLUMNS = ("task_id", "epoch", "token", "lease_until", "attempts", "state"
 #: Of ``max_allowed_packet``, what the reservation statement's text and the row's other
 #: columns may need besides the body (bytes).
 PACKET_HEADROOM = 1 << 20
-
-
-_LIVE = f"'{RESERVED}', '{RUNNING}'"
+#: The live states, as an SQL list.
+_LIVE = ", ".join(f"'{state}'" for state in LIVE_STATES)
 
 
 class HotSql:
@@ -65,20 +64,22 @@ class HotSql:
                 f"policy, publication, lease_until <= {self.dialect.clock} AS expired "
                 f"FROM pulse_claims WHERE {self._ids(rows)} FOR UPDATE")
 
+    def _startable(self, rows: int) -> str:
+        """After :meth:`_ids`: the leases' (task_id, epoch, token) flattened, the holder
+        and the state, and a lease the store clock says is live."""
+        return (f"AND {self._keys(rows)} AND holder = %s AND state = %s "
+                f"AND lease_until > {self.dialect.clock}")
+
     def locked_for_start(self, rows: int) -> str:
         """A holder's live reservations among ``rows`` leases, locked (parameters: the
         ids, the leases' (task_id, epoch, token) flattened, the holder, the state)."""
         return (f"SELECT task_id FROM pulse_claims WHERE {self._ids(rows)} "
-                f"AND {self._keys(rows)} AND holder = %s AND state = %s "
-                f"AND lease_until > {self.dialect.clock} FOR UPDATE")
+                f"{self._startable(rows)} FOR UPDATE")
 
     def start_fenced(self, rows: int) -> str:
         """The start under :meth:`locked_for_start`'s rule (parameters: the ttl, then
         its parameters), for a packet that cannot wait for the locked read's answer."""
-        now = self.dialect.clock
-        return (f"UPDATE pulse_claims SET state = '{RUNNING}', started_at = {now}, "
-                f"lease_until = {now} + %s WHERE {self._ids(rows)} AND {self._keys(rows)} "
-                f"AND holder = %s AND state = %s AND lease_until > {now}")
+        return f"{self.start(rows)} {self._startable(rows)}"
 
     def started(self, rows: int) -> str:
         return f"SELECT task_id, state, lease_until FROM pulse_claims WHERE {self._ids(rows)}"
