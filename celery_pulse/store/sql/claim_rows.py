@@ -35,6 +35,19 @@ from celery_pulse.store.sql.tables import claims, evidence
 CHUNK = 500
 
 
+def usual(completions: Sequence[Completion], reserves: Sequence[Any],
+          starts: Sequence[LeaseKey]) -> bool:
+    """Whether an exchange is a usual one, that a store can make in one pass of one
+    statement per verb: not empty, each verb in one chunk, no ``pulse://`` result (it is
+    written beside its completion), no task id twice in a verb (no rounds)."""
+    if not 0 < max(len(completions), len(reserves), len(starts)) <= CHUNK:
+        return False
+    if any(c.result is not None for c in completions):
+        return False
+    return (len({c.task_id for c in completions}) == len(completions)
+            and len({r.task_id for r in reserves}) == len(reserves))
+
+
 def applies(c: Completion, epoch: Any, token: str | None, state: str) -> bool:
     """Whether ``c`` is applied to its claim as read under lock: live under its lease."""
     return int(epoch) == c.epoch and token == c.token and state in LIVE_STATES

@@ -46,7 +46,7 @@ from celery_pulse.store.base import (
 )
 from celery_pulse.store.rules import OUTCOME_STATE
 from celery_pulse.store.sql import mysql_sql as hot_sql
-from celery_pulse.store.sql.claim_rows import CHUNK, applies, repeats
+from celery_pulse.store.sql.claim_rows import applies, repeats, usual
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.engine import TRANSACTION_OPEN
 from celery_pulse.store.sql.errors import translate, translated
@@ -69,14 +69,9 @@ class _Packet:
 
 def fits(completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
          starts: Sequence[LeaseKey], packet: int | None) -> bool:
-    """Whether the exchange is a usual one (see the module doc) the packet can carry."""
-    most = max(len(completions), len(reserves), len(starts))
-    if packet is not None or not 0 < most <= CHUNK:
-        return False
-    if any(c.result is not None for c in completions):  # written beside it: results.py
-        return False
-    return (len({c.task_id for c in completions}) == len(completions)
-            and len({r.task_id for r in reserves}) == len(reserves))
+    """Whether the exchange is a usual one (see the module doc) the packet can carry:
+    no reservation split by size (``packet``)."""
+    return packet is None and usual(completions, reserves, starts)
 
 
 class OnePacket:
