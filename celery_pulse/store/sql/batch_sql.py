@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_pulse.store.base import (
-    LIVE_STATES,
     OPEN,
     RESERVED,
     RESTARTABLE_STATES,
@@ -26,7 +25,7 @@ from celery_pulse.store.base import (
 )
 from celery_pulse.store.checkpoints import CheckpointWrite
 from celery_pulse.store.rules import OUTCOME_STATE, queue_of
-from celery_pulse.store.sql.claim_rows import claimable_sql, dumps, task_id_of
+from celery_pulse.store.sql.claim_rows import LIVE_SQL, claimable_sql, dumps, task_id_of
 from celery_pulse.store.sql.dialect import Dialect
 from celery_pulse.store.sql.tables import CHECKPOINT_COLUMNS
 
@@ -155,7 +154,7 @@ class BatchSql:
             f"state = v.state, outcome = v.outcome, error = v.error, token = NULL, "
             f"lease_until = NULL, finished_at = CASE WHEN v.state = '{OPEN}' THEN NULL "
             f"ELSE {self.dialect.clock} END",
-            f"pulse_claims.state IN ('{RESERVED}', '{RUNNING}')")
+            f"pulse_claims.state IN ({LIVE_SQL})")
 
     # -- checkpoints (issue 40) -------------------------------------------------------------
     def checkpoint_statement(self, holder: str, writes: Sequence[CheckpointWrite]
@@ -167,12 +166,11 @@ class BatchSql:
             params += [w.task_id, w.epoch, w.token, w.seq, w.value]
         params.append(holder)
         now = self.dialect.clock
-        live = ", ".join(f"'{state}'" for state in LIVE_STATES)
         return self.batch_update(
             "checkpoint", len(writes), ("task_id", "epoch", "token", "seq", "value"),
             f"checkpoint = v.value, checkpoint_epoch = v.epoch, checkpoint_seq = v.seq, "
             f"checkpoint_at = {now}",
-            f"pulse_claims.holder = {{mark}} AND pulse_claims.state IN ({live}) "
+            f"pulse_claims.holder = {{mark}} AND pulse_claims.state IN ({LIVE_SQL}) "
             f"AND pulse_claims.lease_until > {now} AND (pulse_claims.checkpoint_epoch IS NULL "
             f"OR pulse_claims.checkpoint_epoch < v.epoch OR (pulse_claims.checkpoint_epoch = "
             f"v.epoch AND pulse_claims.checkpoint_seq < v.seq))"), tuple(params)

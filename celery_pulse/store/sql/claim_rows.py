@@ -27,15 +27,18 @@ from celery_pulse.store.base import (
     LeaseKey,
     Message,
     Recovered,
+    ReserveRequest,
 )
 from celery_pulse.store.rules import ANSWER_RANK, CLAIMABLE, OUTCOME_STATE
 from celery_pulse.store.sql.tables import claims, evidence
 
 #: Renewals and completions are chunked so one statement never carries huge IN lists.
 CHUNK = 500
+#: The live states as an SQL list, for the hot path's hand-written statements.
+LIVE_SQL = ", ".join(f"'{state}'" for state in LIVE_STATES)
 
 
-def usual(completions: Sequence[Completion], reserves: Sequence[Any],
+def usual(completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
           starts: Sequence[LeaseKey]) -> bool:
     """Whether an exchange is a usual one, that a store can make in one pass of one
     statement per verb: not empty, each verb in one chunk, no ``pulse://`` result (it is
@@ -84,6 +87,11 @@ def grants(rows: Any) -> dict[str, Grant]:
     return {task_id: Grant(task_id, int(epoch), token, float(lease_until), int(attempts),
                            state == RUNNING)
             for task_id, epoch, token, lease_until, attempts, state in rows}
+
+
+def started_leases(rows: Any) -> dict[str, float]:
+    """The start statement's rows (task_id, lease_until): ``task_id -> lease_until``."""
+    return {task_id: float(lease_until) for task_id, lease_until in rows}
 
 
 def task_id_of(item: Any) -> str:

@@ -41,6 +41,7 @@ from celery_pulse.store.sql.claim_rows import (
     grants,
     lease_key_in,
     stale_answers,
+    started_leases,
 )
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
@@ -187,8 +188,8 @@ class BatchClaims:
         started: dict[str, float] = {}
         for i in range(0, len(leases), CHUNK):
             chunk: list[Any] = list(leases[i:i + CHUNK])
-            for row in self.rows(conn, self.sql.start_statement(holder, chunk, ttl)):
-                started[row[0]] = float(row[1])
+            started.update(started_leases(
+                self.rows(conn, self.sql.start_statement(holder, chunk, ttl))))
         return started
 
     # -- renewals -------------------------------------------------------------------------

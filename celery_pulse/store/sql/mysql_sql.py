@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_pulse.store.base import LIVE_STATES, RESERVED, RUNNING, Grant, ReserveRequest
+from celery_pulse.store.base import RESERVED, RUNNING, Grant, ReserveRequest
 from celery_pulse.store.rules import queue_of
-from celery_pulse.store.sql.claim_rows import CHUNK, dumps
+from celery_pulse.store.sql.claim_rows import CHUNK, LIVE_SQL, dumps
 from celery_pulse.store.sql.dialect import Dialect
 
 #: The columns of a reservation's INSERT, in order (the server fills token and times).
@@ -32,8 +32,6 @@ GRANT_COLUMNS = ("task_id", "epoch", "token", "lease_until", "attempts", "state"
 #: Of ``max_allowed_packet``, what the reservation statement's text and the row's other
 #: columns may need besides the body (bytes).
 PACKET_HEADROOM = 1 << 20
-#: The live states, as an SQL list.
-_LIVE = ", ".join(f"'{state}'" for state in LIVE_STATES)
 
 
 class HotSql:
@@ -107,7 +105,7 @@ class HotSql:
     def finish_fenced(self, rows: int) -> str:
         """:meth:`finish`, then the leases' (task_id, epoch, token) flattened: only what
         :meth:`locked_for_completion` found live under that lease."""
-        return f"{self.finish(rows)} AND {self._keys(rows)} AND state IN ({_LIVE})"
+        return f"{self.finish(rows)} AND {self._keys(rows)} AND state IN ({LIVE_SQL})"
 
     def evidence(self, rows: int) -> str:
         """Per completion (task_id, epoch, holder, outcome, error, returned, then task_id,
@@ -116,7 +114,7 @@ class HotSql:
         (:func:`.claim_rows.stale_answers`'s rule, on rows locked before)."""
         one = (f"SELECT %s, %s, %s, %s, %s, {self.dialect.clock}, %s FROM DUAL WHERE NOT "
                "EXISTS (SELECT 1 FROM pulse_claims WHERE task_id = %s AND epoch = %s AND "
-               f"(state = %s OR (token = %s AND state IN ({_LIVE}))))")
+               f"(state = %s OR (token = %s AND state IN ({LIVE_SQL}))))")
         return ("INSERT INTO pulse_evidence (task_id, epoch, holder, outcome, error, "
                 "recorded_at, result) " + " UNION ALL ".join([one] * rows))
 

@@ -37,7 +37,13 @@ from celery_pulse.store.rules import split_by_permits
 from celery_pulse.store.sql import permits as permits_sql
 from celery_pulse.store.sql import permits_postgres
 from celery_pulse.store.sql.batch_sql import Statement
-from celery_pulse.store.sql.claim_rows import CHUNK, grants, stale_answers, task_id_of
+from celery_pulse.store.sql.claim_rows import (
+    CHUNK,
+    grants,
+    stale_answers,
+    started_leases,
+    task_id_of,
+)
 from celery_pulse.store.sql.claims import BatchClaims
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
@@ -192,7 +198,7 @@ class PostgresClaims(BatchClaims):
             except PulseError as exc:  # why some were refused could not be asked
                 granted = grants(rows)
                 reserved = [granted.get(r.task_id, exc) for r in reserves]
-        started = {row[0]: float(row[1]) for row in next(results)} if starts else {}
+        started = started_leases(next(results)) if starts else {}
         return Exchanged(completed, reserved, started)
 
 

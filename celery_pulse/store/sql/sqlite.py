@@ -37,7 +37,7 @@ from celery_pulse.store.base import (
 )
 from celery_pulse.store.rules import split_starts
 from celery_pulse.store.sql.batch_sql import Statement
-from celery_pulse.store.sql.claim_rows import grants, usual
+from celery_pulse.store.sql.claim_rows import grants, started_leases, usual
 from celery_pulse.store.sql.claims import BatchClaims
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
@@ -141,10 +141,8 @@ class SqliteClaims(BatchClaims):
                          ) if reserves else {}
         if len(granted) != len(reserves):
             return None
-        started: dict[str, float] = {}
-        if starts:
-            for row in _run(db, self.sql.start_statement(holder, list(starts), ttl)):
-                started[row[0]] = float(row[1])
+        started = started_leases(_run(db, self.sql.start_statement(holder, list(starts), ttl))
+                                 ) if starts else {}
         return (dict.fromkeys((c.task_id for c in completions), "applied"),
                 [granted[r.task_id] for r in reserves], started)
 
