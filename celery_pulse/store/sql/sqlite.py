@@ -15,6 +15,9 @@ interpreter lock with its consumer loop. When a completion does not apply or a
 reservation is refused, the answer needs the general path's reads (why, and the
 evidence it keeps): the transaction is rolled back, having changed nothing (it held the
 write lock throughout), and the general path makes the exchange.
+
+A worker's event loop makes the usual exchange itself (:meth:`SqliteClaims.begin_exchange`,
+:mod:`.sqlite_loop`), on a connection that never waits for the write lock.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from celery_pulse.store.sql.claims import BatchClaims
 from celery_pulse.store.sql.connections import Connections
 from celery_pulse.store.sql.errors import translated
 from celery_pulse.store.sql.results import ResultRows
+from celery_pulse.store.sql.sqlite_loop import LoopConnection, MadeExchange, busy
 
 #: What a usual exchange made: completions' answers, reservations' grants, starts.
 Made = tuple[dict[str, str], list[Grant | Refusal], dict[str, float]]
@@ -50,12 +54,21 @@ Made = tuple[dict[str, str], list[Grant | Refusal], dict[str, float]]
 class SqliteClaims(BatchClaims):
     """:class:`BatchClaims` with the exchange in one SQLite transaction."""
 
+    nonblocking_exchange = True
+
     def __init__(self, conns: Connections, results: ResultRows) -> None:
         super().__init__(conns, results)
         #: Usual exchanges made on the driver's connection, and those rolled back for
-        #: the general path: the worker's stats show them.
-        self.made = {"direct_exchanges": 0, "direct_exchanges_redone": 0}
+        #: the general path; of them, those the event loop made, and those it left to
+        #: the commit thread because another connection held the write lock: the
+        #: worker's stats show them.
+        self.made = {"direct_exchanges": 0, "direct_exchanges_redone": 0,
+                     "loop_exchanges": 0, "loop_exchanges_locked": 0}
         self.counts = self.made
+        self.on_loop = LoopConnection(conns.engine)
+
+    def close(self) -> None:
+        self.on_loop.close()
 
     def rows(self, conn: sa.Connection, statement: Statement) -> Any:
         """On the driver's connection: its tuples are what the callers read. Its errors
@@ -79,6 +92,39 @@ class SqliteClaims(BatchClaims):
             reserved = self.reserve_in(conn, holder, reserves, ttl) if reserves else []
             started = self.start_in(conn, holder, unique, ttl)
         return Exchanged(dict(completed), reserved, started, counted)
+
+    def begin_exchange(self, holder: str, ttl: float, completions: Sequence[Completion],
+                       reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey],
+                       permits: Mapping[str, Sequence[Permit]] | None = None
+                       ) -> MadeExchange | None:
+        """The usual exchange, made now on the event loop's connection; None (the commit
+        thread makes it) for any other, when another connection holds the write lock,
+        or when an answer needs the general path (rolled back: nothing done)."""
+        limited, unique = split_starts(permits, starts)
+        if limited or not usual(completions, reserves, unique):
+            return None
+        on_loop = self.on_loop
+        with translated("exchange"):
+            try:
+                db = on_loop.driver()
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                if busy(exc):
+                    self.made["loop_exchanges_locked"] += 1
+                    return None
+                raise _wrapped(exc, ("BEGIN IMMEDIATE", ())) from exc
+            try:
+                done = self._body(db, holder, ttl, completions, reserves, unique)
+                _run(db, ("ROLLBACK" if done is None else "COMMIT", ()))
+            except BaseException:
+                on_loop.rolled_back()
+                raise
+        if done is None:
+            self.made["direct_exchanges_redone"] += 1
+            return None
+        self.made["direct_exchanges"] += 1
+        self.made["loop_exchanges"] += 1
+        return MadeExchange(on_loop.ready(), Exchanged(*done, {}))
 
     # A verb on its own is an exchange of one verb: the usual one takes the same path.
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
@@ -130,9 +176,14 @@ class SqliteClaims(BatchClaims):
     def _statements(self, db: Any, holder: str, ttl: float,
                     completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
                     starts: Sequence[LeaseKey]) -> Made | None:
-        """The exchange's statements after ``BEGIN IMMEDIATE``; None as soon as one
+        """``BEGIN IMMEDIATE`` and the exchange's statements; None as soon as one
         answer needs the general path (the caller rolls back)."""
         _run(db, ("BEGIN IMMEDIATE", ()))
+        return self._body(db, holder, ttl, completions, reserves, starts)
+
+    def _body(self, db: Any, holder: str, ttl: float, completions: Sequence[Completion],
+              reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey]) -> Made | None:
+        """The exchange's statements in the transaction begun; None as :meth:`_statements`."""
         if completions:
             applied = {row[0] for row in _run(db, self.complete_statement(completions))}
             if len(applied) != len(completions):
