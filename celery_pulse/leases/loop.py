@@ -5,8 +5,9 @@ trips across threads (the op to the thread, the answer back to the loop) and, on
 machine, a fight for the GIL with the loop it serves: on 2 cores, 13 futex calls and 5
 context switches per no-op task in the worker's parent, where plain prefork makes none
 and 0.7. Where the store can send an exchange without waiting for its answer
-(:meth:`~celery_pulse.store.base.ClaimStore.begin_exchange`: PostgreSQL's pipeline), the
-:class:`LoopCommitter` does the committer's job on the loop itself:
+(:meth:`~celery_pulse.store.base.ClaimStore.begin_exchange`: PostgreSQL's pipeline), or
+make it at once without waiting for a lock (SQLite, where the exchange is the worker's
+own work), the :class:`LoopCommitter` does the committer's job on the loop itself:
 
 * ops submitted on the loop thread queue here; once per loop turn (before the loop
   polls), if no exchange is in flight, whatever queued up goes out in one exchange. An

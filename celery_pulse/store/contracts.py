@@ -102,8 +102,9 @@ class RegistryStore(abc.ABC):
 class ClaimStore(abc.ABC):
     """What per-task leases need from persistent storage."""
 
-    #: :meth:`begin_exchange` sends exchanges without blocking: the worker then runs its
-    #: hot path on its event loop (:mod:`celery_pulse.loop_commit`).
+    #: :meth:`begin_exchange` sends exchanges without blocking (or makes them at once,
+    #: without waiting for a lock): the worker then runs its hot path on its event loop
+    #: (:mod:`celery_pulse.loop_commit`).
     nonblocking_exchange: bool = False
     #: :meth:`reserve` asks nothing of a server (a gateway worker's: its gateway reserved
     #: the delivery before sending it): a reservation is answered where it is submitted,
@@ -149,7 +150,8 @@ class ClaimStore(abc.ABC):
 
         None (the default): this store, or this batch, only has the blocking
         :meth:`exchange`, or sending it now could block (a connection to open, or in use
-        by another thread). Never blocks.
+        by another thread). Never blocks; a store whose exchange is its own process's
+        work (SQLite) makes it here, and answers None rather than wait for a lock.
         """
         return None
 
