@@ -106,6 +106,10 @@ class ClaimStore(abc.ABC):
     #: without waiting for a lock): the worker then runs its hot path on its event loop
     #: (:mod:`celery_pulse.loop_commit`).
     nonblocking_exchange: bool = False
+    #: The exchange is the worker process's own work (SQLite), not a round trip: fewer,
+    #: larger exchanges save the worker's event loop time, so a reservation nothing
+    #: waits for lingers for company (:mod:`celery_pulse.worker.intake`).
+    exchange_in_process: bool = False
     #: :meth:`reserve` asks nothing of a server (a gateway worker's: its gateway reserved
     #: the delivery before sending it): a reservation is answered where it is submitted,
     #: never queued behind an exchange in flight.

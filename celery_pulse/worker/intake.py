@@ -170,7 +170,7 @@ class Intake:
                                      max_attempts, retries, publication, start, permits)
             # Lingering for company pays only under load: the first of a burst goes at
             # once, like one a free process waits for; the rest batch up behind it.
-            urgent = free or not self.pending
+            urgent = free or not (self.pending or self.pulse.ahead.lingers())
             self.pending += 1
             self.inflight[task_id] = []
 

@@ -13,10 +13,15 @@ from celery_pulse.leases import LOST, RESERVED, RUNNING, WAITING, LocalClaim
 from celery_pulse.store.base import Permit
 
 
+class Store:
+    exchange_in_process = False
+
+
 class Keeper:
     def __init__(self) -> None:
         self.claims: dict[str, LocalClaim] = {}
         self.starts: list[tuple[LocalClaim, Any, bool]] = []
+        self.store = Store()
 
     def get(self, task_id: str) -> LocalClaim | None:
         return self.claims.get(task_id)
@@ -40,6 +45,17 @@ def make(concurrency: int = 2, runtime: float | None = 0.001,
                        lambda permits: any(p.key in waiting for p in permits))
     ahead.runtime = runtime
     return ahead, keeper, handed
+
+
+def test_a_reservation_lingers_while_jobs_wait_ahead_only_where_exchanges_are_local(
+        ) -> None:
+    for local in (False, True):
+        ahead, keeper, _ = make(concurrency=2, runtime=WINDOW / 4)
+        keeper.store.exchange_in_process = local
+        assert not ahead.lingers()  # no job waits ahead: a process will wait for it
+        ahead.settled(keeper.claim("a"), False, True)
+        assert ahead.ahead
+        assert ahead.lingers() is local  # the processes have their next jobs
 
 
 def test_nothing_starts_ahead_before_a_job_ran_or_while_jobs_are_long() -> None:

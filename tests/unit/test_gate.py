@@ -154,7 +154,7 @@ def test_a_store_outage_at_the_prefetch_limit_keeps_asking_the_store_and_holds_n
         settings=SimpleNamespace(on_lost=None, max_attempts=3),
         loop=SimpleNamespace(later=lambda delay, fn, *args: timers.append((fn, args)),
                              call=lambda fn, *args: fn(*args), hub=object()),
-        ahead=SimpleNamespace(folding=0, fold=lambda free: False,
+        ahead=SimpleNamespace(folding=0, fold=lambda free: False, lingers=lambda: False,
                               settled=lambda claim, *_: None),
         rules=SimpleNamespace(declared=False, limited=lambda task, routing_key: False),
         admit_waiting=lambda: None)

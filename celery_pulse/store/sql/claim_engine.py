@@ -41,6 +41,8 @@ class ClaimEngine(Protocol):
     nonblocking_exchange: bool
     #: See :attr:`ClaimStore.folds_permits`.
     folds_permits: bool
+    #: See :attr:`ClaimStore.exchange_in_process`.
+    exchange_in_process: bool
     #: PostgreSQL's pipelined connection (None elsewhere).
     pipeline: Pipeline | None
     #: What the hot path sent, by name (:meth:`ClaimStore.hot_path_counts`).

@@ -62,6 +62,7 @@ class BatchClaims:
 
     nonblocking_exchange = False
     folds_permits = False
+    exchange_in_process = False
     #: The results of the ``pulse://`` backend are written by the completion's own
     #: statement (PostgreSQL), not beside it in its transaction.
     results_in_statement = False

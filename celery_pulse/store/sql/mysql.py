@@ -83,6 +83,7 @@ class MySqlClaims:
 
     nonblocking_exchange = False
     folds_permits = False
+    exchange_in_process = False
     pipeline: Pipeline | None = None
     #: A new claim's grant comes from its ``INSERT .. RETURNING`` (MariaDB 10.5+); MySQL
     #: has none and reads it back. None: asked of the connection at the first grant.

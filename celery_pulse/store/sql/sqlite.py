@@ -55,6 +55,7 @@ class SqliteClaims(BatchClaims):
     """:class:`BatchClaims` with the exchange in one SQLite transaction."""
 
     nonblocking_exchange = True
+    exchange_in_process = True
 
     def __init__(self, conns: Connections, results: ResultRows) -> None:
         super().__init__(conns, results)

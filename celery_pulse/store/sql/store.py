@@ -66,6 +66,7 @@ class SqlStore(SqlRegistry, SqlClaimsAdmin, SqlViews, SqlRecover, SqlReviews, Sq
         self.claims = claims
         self.nonblocking_exchange = claims.nonblocking_exchange
         self.folds_permits = claims.folds_permits
+        self.exchange_in_process = claims.exchange_in_process
 
     @property
     def _pipeline(self) -> Pipeline | None:
