@@ -11,6 +11,7 @@ is done by the committer thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -56,27 +57,30 @@ def store(pg_url: str) -> Iterator[SqlStore]:
     sql.close()
 
 
-@pytest.fixture
-def hub() -> Iterator[Hub]:
-    hub = Hub()
-    yield hub
-    hub.close()
-
-
-@pytest.fixture
-def keeper(store: SqlStore, hub: Hub) -> Iterator[LeaseKeeper]:
+@contextlib.contextmanager
+def attached(store: SqlStore, hub: Hub, warm_up: Callable[[], object] = lambda: None
+             ) -> Iterator[LeaseKeeper]:
+    """A started keeper that serves the ops submitted on ``hub``'s thread from that loop
+    (``warm_up`` runs before it attaches)."""
     keeper = LeaseKeeper(store, "w1", ttl=TTL, interval=5, margin=1, grace=2,
                          listener=Listener())
     keeper.start()
-    # The pipeline's connection is open (in a worker, the first exchange opens it, from
-    # the committer thread: connecting from the loop would block it).
-    assert store._pipeline is not None
-    store._pipeline.run("warm up", [("SELECT 1", ())])
+    warm_up()
     assert keeper.attach_loop(hub)
     try:
         yield keeper
     finally:
         keeper.stop(release=False)
+
+
+@pytest.fixture
+def keeper(store: SqlStore, hub: Hub) -> Iterator[LeaseKeeper]:
+    # The pipeline's connection is open (in a worker, the first exchange opens it, from
+    # the committer thread: connecting from the loop would block it).
+    pipeline = store._pipeline
+    assert pipeline is not None
+    with attached(store, hub, lambda: pipeline.run("warm up", [("SELECT 1", ())])) as keeper:
+        yield keeper
 
 
 class Answers:

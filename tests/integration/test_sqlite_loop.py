@@ -27,7 +27,7 @@ from celery_pulse.store.base import SUCCEEDED, Grant, Refusal
 from celery_pulse.store.sql import SqlStore
 from celery_pulse.store.sql.sqlite import SqliteClaims
 from tests.helpers.stores import claim_row, migrated
-from tests.integration.test_loop_commit import TTL, Answers, Listener, request, run_loop
+from tests.integration.test_loop_commit import TTL, Answers, attached, request, run_loop
 
 LOOP = threading.current_thread().name
 
@@ -47,25 +47,12 @@ def store(path: Path) -> Iterator[SqlStore]:
 
 
 @pytest.fixture
-def hub() -> Iterator[Hub]:
-    hub = Hub()
-    yield hub
-    hub.close()
-
-
-@pytest.fixture
 def keeper(store: SqlStore, hub: Hub) -> Iterator[LeaseKeeper]:
-    keeper = LeaseKeeper(store, "w1", ttl=TTL, interval=5, margin=1, grace=2,
-                         listener=Listener())
-    keeper.start()
-    assert keeper.attach_loop(hub)
-    committer = keeper._loop_committer
-    assert committer is not None
-    run_loop(hub, lambda: committer.active)  # the commit thread's backlog is through
-    try:
+    with attached(store, hub) as keeper:
+        committer = keeper._loop_committer
+        assert committer is not None
+        run_loop(hub, lambda: committer.active)  # the commit thread's backlog is through
         yield keeper
-    finally:
-        keeper.stop(release=False)
 
 
 def made(store: SqlStore) -> dict[str, int]:
