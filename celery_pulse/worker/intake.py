@@ -169,7 +169,8 @@ class Intake:
             request = ReserveRequest(task_id, task.name, capture(message), policy,
                                      max_attempts, retries, publication, start, permits)
             # Lingering for company pays only under load: the first of a burst goes at
-            # once, like one a free process waits for; the rest batch up behind it.
+            # once, like one a free process waits for; the rest batch up behind it (on
+            # SQLite the first too, while the processes have jobs started ahead).
             urgent = free or not (self.pending or self.pulse.ahead.lingers())
             self.pending += 1
             self.inflight[task_id] = []

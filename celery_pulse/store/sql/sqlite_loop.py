@@ -129,10 +129,11 @@ class LoopConnection:
                 raw.invalidate()
 
     def close(self) -> None:
+        """Close the connection (never back to the pool: its busy timeout is 0)."""
         raw, self._raw = self._raw, None
         if raw is not None:
             with contextlib.suppress(Exception):
-                raw.close()
+                raw.invalidate()
 
 
 def _close_fds(fds: tuple[int, int]) -> None:
