@@ -108,7 +108,7 @@ class ClaimStore(abc.ABC):
     nonblocking_exchange: bool = False
     #: The exchange is the worker process's own work (SQLite), not a round trip: fewer,
     #: larger exchanges save the worker's event loop time, so a reservation nothing
-    #: waits for lingers for company (:mod:`celery_pulse.worker.intake`).
+    #: waits for lingers for company (:meth:`celery_pulse.worker.ahead.StartAhead.lingers`).
     exchange_in_process: bool = False
     #: :meth:`reserve` asks nothing of a server (a gateway worker's: its gateway reserved
     #: the delivery before sending it): a reservation is answered where it is submitted,

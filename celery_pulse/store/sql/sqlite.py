@@ -115,17 +115,14 @@ class SqliteClaims(BatchClaims):
                     return None
                 raise _wrapped(exc, ("BEGIN IMMEDIATE", ())) from exc
             try:
-                done = self._body(db, holder, ttl, completions, reserves, unique)
-                _run(db, ("ROLLBACK" if done is None else "COMMIT", ()))
+                done = self._ended(db, holder, ttl, completions, reserves, unique)
             except BaseException:
                 on_loop.rolled_back()
                 raise
         if done is None:
-            self.made["direct_exchanges_redone"] += 1
             return None
-        self.made["direct_exchanges"] += 1
         self.made["loop_exchanges"] += 1
-        return MadeExchange(on_loop.ready(), Exchanged(*done, {}))
+        return MadeExchange(on_loop.ready, Exchanged(*done, {}))
 
     # A verb on its own is an exchange of one verb: the usual one takes the same path.
     def reserve(self, holder: str, requests: Sequence[ReserveRequest], ttl: float
@@ -167,24 +164,24 @@ class SqliteClaims(BatchClaims):
                 raise _wrapped(exc, ("connect", ())) from exc
             try:  # on an error the pool rolls back (or drops) the connection it gets back
                 db: Any = raw.driver_connection
-                done = self._statements(db, holder, ttl, completions, reserves, starts)
-                _run(db, ("ROLLBACK" if done is None else "COMMIT", ()))
+                _run(db, ("BEGIN IMMEDIATE", ()))
+                return self._ended(db, holder, ttl, completions, reserves, starts)
             finally:
                 raw.close()
+
+    def _ended(self, db: Any, holder: str, ttl: float, completions: Sequence[Completion],
+               reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey]
+               ) -> Made | None:
+        """The exchange's statements in the transaction begun on ``db``, then ``COMMIT``;
+        ``ROLLBACK`` and None when an answer needs the general path. Counted."""
+        done = self._body(db, holder, ttl, completions, reserves, starts)
+        _run(db, ("ROLLBACK" if done is None else "COMMIT", ()))
         self.made["direct_exchanges_redone" if done is None else "direct_exchanges"] += 1
         return done
 
-    def _statements(self, db: Any, holder: str, ttl: float,
-                    completions: Sequence[Completion], reserves: Sequence[ReserveRequest],
-                    starts: Sequence[LeaseKey]) -> Made | None:
-        """``BEGIN IMMEDIATE`` and the exchange's statements; None as soon as one
-        answer needs the general path (the caller rolls back)."""
-        _run(db, ("BEGIN IMMEDIATE", ()))
-        return self._body(db, holder, ttl, completions, reserves, starts)
-
     def _body(self, db: Any, holder: str, ttl: float, completions: Sequence[Completion],
               reserves: Sequence[ReserveRequest], starts: Sequence[LeaseKey]) -> Made | None:
-        """The exchange's statements in the transaction begun; None as :meth:`_statements`."""
+        """The exchange's statements; None as soon as one answer needs the general path."""
         if completions:
             applied = {row[0] for row in _run(db, self.complete_statement(completions))}
             if len(applied) != len(completions):

@@ -91,7 +91,7 @@ class LoopConnection:
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
         self._raw: Any = None
-        self._pipe: tuple[int, int] | None = None
+        self._ready: ReadyFlight | None = None
 
     def driver(self) -> sqlite3.Connection:
         """The connection (made on first use); raises the driver's error."""
@@ -106,23 +106,24 @@ class LoopConnection:
             self._raw = raw
         return self._raw.driver_connection  # type: ignore[no-any-return]
 
+    @property
     def ready(self) -> ReadyFlight:
-        """A flight whose socket is readable now (one pipe, kept)."""
-        if self._pipe is None:
+        """A flight whose socket is always readable (one pipe, made on first use)."""
+        if self._ready is None:
             read, write = os.pipe()
             os.write(write, b"!")  # never read: the pipe stays readable
-            self._pipe = (read, write)
-            weakref.finalize(self, _close_fds, self._pipe)
-        return ReadyFlight(self._pipe[0])
+            weakref.finalize(self, _close_fds, (read, write))
+            self._ready = ReadyFlight(read)
+        return self._ready
 
     def rolled_back(self) -> None:
         """After an error: roll back what the connection holds, or drop it."""
-        raw, db = self._raw, self._raw and self._raw.driver_connection
+        raw = self._raw
         if raw is None:
             return
         try:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+            if raw.driver_connection.in_transaction:
+                raw.driver_connection.execute("ROLLBACK")
         except sqlite3.Error:
             self._raw = None
             with contextlib.suppress(Exception):
